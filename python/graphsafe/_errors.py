@@ -1,0 +1,34 @@
+"""Errors that CUDA kernels record in mapped host memory instead of stopping the process.
+
+A kernel that meets an out-of-range index leaves it out of the result (nothing is written out of bounds,
+also inside a replayed CUDA graph) and records it. Reading the record never synchronises: every graphsafe
+op checks it when called, and `check_errors()` synchronises first so that the answer is final.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+
+class DeviceIndexError(IndexError):
+    """An index that a graphsafe CUDA kernel found out of range (the result left it out)."""
+
+
+def raise_pending_device_error() -> None:
+    """Raise what a kernel has recorded so far (no synchronisation; finished kernels only)."""
+    message = _C.take_device_error(True)
+    if message:
+        raise DeviceIndexError(message)
+
+
+def check_errors(device: torch.device | int | None = None) -> None:
+    """Synchronise `device` (default: the current CUDA device) and raise any error its kernels recorded.
+
+    Call it outside graph capture, e.g. after a replay or at the end of a training step; it is a no-op
+    when CUDA is not in use.
+    """
+    if _C.cuda_available() and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)
+    raise_pending_device_error()

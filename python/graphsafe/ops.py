@@ -1,0 +1,137 @@
+"""graphsafe's custom ops (torch.library), with fake kernels so make_fx and torch.compile can trace them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._errors import raise_pending_device_error
+
+__all__ = ["embedding_backward", "embedding"]
+
+_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _normalise_padding_idx(padding_idx: int, num_weights: int) -> int:
+    """-1 means none; other negatives count from the end (torch's convention)."""
+    normalised = padding_idx + num_weights if padding_idx < -1 else padding_idx
+    if normalised < -1 or normalised >= num_weights:
+        raise ValueError(
+            f"embedding_backward: padding_idx {padding_idx} is out of range for {num_weights} rows (use -1 for none)"
+        )
+    return normalised
+
+
+def _check_embedding_backward_inputs(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int) -> None:
+    name = "embedding_backward"
+    if grad.layout != torch.strided or indices.layout != torch.strided:
+        raise TypeError(f"{name}: grad and indices must be dense (strided) tensors, got {grad.layout} and {indices.layout}")
+    if grad.dtype not in _GRAD_DTYPES:
+        raise TypeError(f"{name}: grad must be float32, float16, bfloat16 or float64, got {grad.dtype}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: indices must be int32 or int64, got {indices.dtype}")
+    if grad.device != indices.device:
+        raise ValueError(f"{name}: grad is on {grad.device} but indices are on {indices.device}")
+    if grad.device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"{name}: graphsafe supports cpu and cuda tensors, got {grad.device}")
+    if grad.dim() < 1:
+        raise ValueError(f"{name}: grad must have shape [..., D], got a 0-d tensor")
+    if tuple(grad.shape[:-1]) != tuple(indices.shape):
+        raise ValueError(
+            f"{name}: grad shape {tuple(grad.shape)} must be indices shape {tuple(indices.shape)} plus one trailing "
+            "dimension D"
+        )
+    if not grad.is_contiguous() or not indices.is_contiguous():
+        raise ValueError(f"{name}: grad and indices must be contiguous (call .contiguous() first)")
+    if num_weights < 0:
+        raise ValueError(f"{name}: num_weights must be >= 0, got {num_weights}")
+    _normalise_padding_idx(padding_idx, num_weights)
+
+
+@torch.library.custom_op("graphsafe::embedding_backward", mutates_args=())
+def embedding_backward(
+    grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1, scale_grad_by_freq: bool = False
+) -> Tensor:
+    """Dense gradient [num_weights, D] of an embedding lookup, deterministic and free of host syncs.
+
+    grad: [..., D] float32/float16/bfloat16/float64 (the gradient of the looked-up rows), contiguous.
+    indices: [...] int32/int64, the rows that were looked up, contiguous, on grad's device.
+    padding_idx: row that receives no gradient; -1 for none, other negatives count from the end.
+    scale_grad_by_freq: divide each row's gradient by the number of times it occurs in indices.
+    The result has grad's dtype; sums run in fp32 (fp64 for fp64) in an order fixed by the input alone,
+    identical on CPU and CUDA. Out-of-range indices raise IndexError on the CPU; on CUDA they are left out
+    of the sum and raise graphsafe.DeviceIndexError at the next graphsafe call or graphsafe.check_errors().
+    """
+    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    raise_pending_device_error()
+    device = grad.device
+    num_indices, dim = indices.numel(), grad.shape[-1]
+    out = torch.empty((num_weights, dim), dtype=grad.dtype, device=device)
+    workspace = torch.empty(
+        _C.embedding_backward_workspace_bytes(device.type, _dtype_name(grad.dtype), num_indices, dim, num_weights),
+        dtype=torch.uint8,
+        device=device,
+    )
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    _C.embedding_backward_dense(
+        device.type,
+        device.index or 0,
+        stream,
+        out.data_ptr(),
+        grad.data_ptr(),
+        _dtype_name(grad.dtype),
+        indices.data_ptr(),
+        _dtype_name(indices.dtype),
+        num_indices,
+        dim,
+        num_weights,
+        padding_idx,
+        scale_grad_by_freq,
+        workspace.data_ptr(),
+        workspace.numel(),
+    )
+    return out
+
+
+@embedding_backward.register_fake
+def _embedding_backward_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
+    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+@torch.library.custom_op("graphsafe::embedding", mutates_args=())
+def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:
+    """Embedding lookup weight[indices] whose backward is graphsafe's embedding_backward."""
+    return torch.nn.functional.embedding(indices, weight)
+
+
+@embedding.register_fake
+def _embedding_fake(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
+    return weight.new_empty((*indices.shape, weight.shape[-1]))
+
+
+def _embedding_setup_context(ctx, inputs, output):
+    weight, indices, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(indices)
+    ctx.num_weights = weight.shape[0]
+    ctx.padding_idx = padding_idx
+    ctx.scale_grad_by_freq = scale_grad_by_freq
+
+
+def _embedding_backward_rule(ctx, grad_output):
+    (indices,) = ctx.saved_tensors
+    grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_weight = embedding_backward(
+            grad_output.contiguous(), indices.contiguous(), ctx.num_weights, ctx.padding_idx, ctx.scale_grad_by_freq
+        )
+    return grad_weight, None, None, None
+
+
+embedding.register_autograd(_embedding_backward_rule, setup_context=_embedding_setup_context)

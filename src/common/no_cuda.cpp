@@ -1,0 +1,26 @@
+// Stand-ins for the CUDA backend when graphsafe is built without nvcc: every CUDA entry point
+// fails with a clear message instead of being missing.
+#include <stdexcept>
+#include <string>
+
+#include "embedding/reduction.h"
+#include "graphsafe/embedding.h"
+#include "graphsafe/errors.h"
+#include "graphsafe/types.h"
+
+namespace graphsafe {
+
+namespace {
+[[noreturn]] void no_cuda() { throw std::runtime_error("graphsafe was built without its CUDA backend"); }
+}  // namespace
+
+bool cuda_backend_available() { return false; }
+DeviceErrorRecord* device_error_record() { no_cuda(); }
+std::string take_device_error(bool) { return {}; }
+std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
+void embedding_backward_dense_cuda(const EmbeddingBackwardArgs&, void*, void*, std::size_t, DeviceErrorRecord*,
+                                   StreamHandle) {
+  no_cuda();
+}
+
+}  // namespace graphsafe

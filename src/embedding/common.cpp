@@ -1,0 +1,56 @@
+// Argument checks and workspace sizes shared by both embedding backends.
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "embedding/reduction.h"
+#include "graphsafe/embedding.h"
+
+namespace graphsafe {
+
+int64_t validate_embedding_backward_args(const EmbeddingBackwardArgs& a) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("embedding_backward: " + msg); };
+  if (a.grad_dtype != DType::Float32 && a.grad_dtype != DType::Float16 && a.grad_dtype != DType::BFloat16 &&
+      a.grad_dtype != DType::Float64)
+    fail(std::string("grad must be float32, float16, bfloat16 or float64, got ") + dtype_name(a.grad_dtype));
+  if (a.index_dtype != DType::Int32 && a.index_dtype != DType::Int64)
+    fail(std::string("indices must be int32 or int64, got ") + dtype_name(a.index_dtype));
+  if (a.num_indices < 0 || a.dim < 0) fail("negative shape");
+  if (a.num_weights < 0) fail("num_weights must be >= 0, got " + std::to_string(a.num_weights));
+  // Sorted positions and keys (including the num_weights sentinel) are 32-bit.
+  if (a.num_weights >= std::numeric_limits<int32_t>::max())
+    fail("num_weights must be < 2^31 - 1, got " + std::to_string(a.num_weights));
+  if (a.num_indices >= std::numeric_limits<int32_t>::max())
+    fail("at most 2^31 - 2 indices per call, got " + std::to_string(a.num_indices));
+  if (a.num_indices > 0 && a.dim > 0 && (a.grad == nullptr || a.indices == nullptr)) fail("null input pointer");
+  int64_t padding_idx = a.padding_idx;
+  if (padding_idx < -1) padding_idx += a.num_weights;  // torch's convention: -2 is the second-to-last row
+  if (padding_idx < -1 || padding_idx >= a.num_weights)
+    fail("padding_idx " + std::to_string(a.padding_idx) + " is out of range for " +
+         std::to_string(a.num_weights) + " rows (use -1 for none)");
+  return padding_idx;
+}
+
+std::size_t embedding_backward_workspace_bytes(Backend backend, DType grad_dtype, int64_t num_indices,
+                                               int64_t dim, int64_t num_weights) {
+  if (num_indices < 0 || dim < 0) throw std::invalid_argument("embedding_backward_workspace_bytes: negative shape");
+  const auto n = static_cast<std::size_t>(num_indices);
+  if (backend == Backend::Cpu) {
+    // Packed (row << 32 | position) sort records, then the start of every row's run.
+    return embedding_detail::round_up_256(n * sizeof(uint64_t)) + embedding_detail::round_up_256((n + 1) * sizeof(int64_t));
+  }
+  if (!cuda_backend_available()) throw std::runtime_error("graphsafe was built without its CUDA backend");
+  const std::size_t acc_bytes = grad_dtype == DType::Float64 ? 8 : 4;
+  // Keys and positions, before and after the sort; the sort's own scratch; chunk partial sums.
+  return 4 * embedding_detail::round_up_256(n * sizeof(uint32_t)) + embedding_detail::round_up_256(embedding_backward_cuda_sort_bytes(num_indices, num_weights)) +
+         embedding_detail::round_up_256(static_cast<std::size_t>(embedding_detail::partial_slots(num_indices)) *
+                  static_cast<std::size_t>(dim) * acc_bytes);
+}
+
+DType dtype_from_name(const std::string& name) {
+  for (DType t : {DType::Float32, DType::Float16, DType::BFloat16, DType::Float64, DType::Int32, DType::Int64})
+    if (name == dtype_name(t)) return t;
+  throw std::invalid_argument("unsupported dtype '" + name + "'");
+}
+
+}  // namespace graphsafe

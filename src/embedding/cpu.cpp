@@ -1,0 +1,121 @@
+// CPU backend of the embedding backward: same reduction order as the CUDA backend (embedding.h), so the
+// two agree bitwise. Rows are independent, so they are spread over OpenMP threads.
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "embedding/reduction.h"
+#include "graphsafe/embedding.h"
+
+namespace graphsafe {
+namespace {
+
+using embedding_detail::finish_element;
+using embedding_detail::sort_key;
+
+template <class Index>
+void check_indices_in_range(const Index* indices, int64_t n, int64_t num_weights) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = static_cast<int64_t>(indices[i]);
+    if (v < 0 || v >= num_weights)
+      throw std::out_of_range("embedding_backward: index " + std::to_string(v) + " at position " +
+                              std::to_string(i) + " is out of range for an embedding with " +
+                              std::to_string(num_weights) + " rows");
+  }
+}
+
+// Sums one row's occurrences sorted[begin, end) (positions in the low 32 bits) into out_row.
+template <class T>
+void reduce_row(const T* grad, int64_t dim, const uint64_t* sorted, int64_t begin, int64_t end,
+                bool scale_grad_by_freq, T* out_row, std::vector<typename ElementTraits<T>::Acc>& total,
+                std::vector<typename ElementTraits<T>::Acc>& chunk) {
+  using Acc = typename ElementTraits<T>::Acc;
+  const int64_t count = end - begin;
+  auto sum_chunk_into = [&](std::vector<Acc>& acc, int64_t from, int64_t to) {
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    for (int64_t j = from; j < to; ++j) {
+      const T* g = grad + static_cast<int64_t>(sorted[j] & 0xffffffffu) * dim;
+      for (int64_t c = 0; c < dim; ++c) acc[c] += ElementTraits<T>::load(g[c]);
+    }
+  };
+  if (count <= kEmbeddingChunk) {
+    sum_chunk_into(total, begin, end);
+  } else {
+    std::fill(total.begin(), total.end(), Acc(0));
+    for (int64_t from = begin; from < end; from += kEmbeddingChunk) {
+      sum_chunk_into(chunk, from, std::min(from + kEmbeddingChunk, end));
+      for (int64_t c = 0; c < dim; ++c) total[c] += chunk[c];
+    }
+  }
+  for (int64_t c = 0; c < dim; ++c) out_row[c] = finish_element<T>(total[c], count, scale_grad_by_freq);
+}
+
+template <class T, class Index>
+void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* sorted, int64_t* row_starts) {
+  const auto* indices = static_cast<const Index*>(a.indices);
+  const auto* grad = static_cast<const T*>(a.grad);
+  const int64_t n = a.num_indices, dim = a.dim;
+  check_indices_in_range(indices, n, a.num_weights);
+  std::memset(out, 0, static_cast<std::size_t>(a.num_weights * dim) * sizeof(T));  // all-zero bits are +0
+  if (n == 0 || dim == 0) return;
+
+  // Sorting (row, position) pairs orders each row's occurrences by position: the documented order.
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t key = sort_key(static_cast<int64_t>(indices[i]), a.num_weights, padding_idx);
+    if (key != static_cast<uint32_t>(a.num_weights)) sorted[kept++] = (uint64_t{key} << 32) | uint64_t(i);
+  }
+  std::sort(sorted, sorted + kept);
+
+  int64_t rows = 0;
+  for (int64_t i = 0; i < kept; ++i)
+    if (i == 0 || (sorted[i] >> 32) != (sorted[i - 1] >> 32)) row_starts[rows++] = i;
+  row_starts[rows] = kept;
+
+#pragma omp parallel
+  {
+    std::vector<typename ElementTraits<T>::Acc> total(dim), chunk(dim);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t begin = row_starts[r], end = row_starts[r + 1];
+      const int64_t row = static_cast<int64_t>(sorted[begin] >> 32);
+      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, out + row * dim, total, chunk);
+    }
+  }
+}
+
+template <class T>
+void dispatch_index(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* out, uint64_t* sorted,
+                    int64_t* row_starts) {
+  if (a.index_dtype == DType::Int32)
+    run<T, int32_t>(a, padding_idx, static_cast<T*>(out), sorted, row_starts);
+  else
+    run<T, int64_t>(a, padding_idx, static_cast<T*>(out), sorted, row_starts);
+}
+
+}  // namespace
+
+void embedding_backward_dense_cpu(const EmbeddingBackwardArgs& a, void* out, void* workspace,
+                                  std::size_t workspace_bytes) {
+  const int64_t padding_idx = validate_embedding_backward_args(a);
+  const std::size_t needed =
+      embedding_backward_workspace_bytes(Backend::Cpu, a.grad_dtype, a.num_indices, a.dim, a.num_weights);
+  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
+    throw std::invalid_argument("embedding_backward: workspace of " + std::to_string(workspace_bytes) +
+                                " bytes is smaller than the " + std::to_string(needed) + " required");
+  if (a.num_weights * a.dim > 0 && out == nullptr) throw std::invalid_argument("embedding_backward: null output");
+  auto* sorted = static_cast<uint64_t*>(workspace);
+  auto* row_starts = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) +
+                                                embedding_detail::round_up_256(static_cast<std::size_t>(a.num_indices) * 8));
+  switch (a.grad_dtype) {
+    case DType::Float32: dispatch_index<float>(a, padding_idx, out, sorted, row_starts); break;
+    case DType::Float64: dispatch_index<double>(a, padding_idx, out, sorted, row_starts); break;
+    case DType::Float16: dispatch_index<f16_t>(a, padding_idx, out, sorted, row_starts); break;
+    case DType::BFloat16: dispatch_index<bf16_t>(a, padding_idx, out, sorted, row_starts); break;
+    default: throw std::invalid_argument("embedding_backward: unsupported grad dtype");
+  }
+}
+
+}  // namespace graphsafe
