@@ -3,13 +3,14 @@
 // Given grad[N, D] (the gradient of the looked-up rows) and indices[N], computes the dense weight gradient
 // out[num_weights, D] = sum over i with indices[i] == r of grad[i], for every row r.
 //
-// Reduction order (identical on every backend, fixed by the input alone, so results agree bitwise):
-//   * the occurrences of row r, taken in increasing position i, are split into chunks of
-//     kEmbeddingChunk consecutive occurrences;
-//   * each chunk is summed left to right into an accumulator that starts at +0 (fp32, or fp64 for fp64);
-//   * a row with at most kEmbeddingChunk occurrences takes its single chunk sum; a longer row sums its chunk
-//     sums left to right, again from +0;
-//   * with scale_grad_by_freq the row total is divided by its occurrence count;
+// Reduction order (identical on every backend, fixed by the input alone, so results agree bitwise).
+// The occurrences are sorted by (row, position); a row's occurrences then form a run [s, e) of sorted
+// positions. Sorted positions are cut into aligned tiles of kEmbeddingTile, and tiles into aligned groups
+// of kEmbeddingTileGroup tiles. Every sum below runs left to right from +0, in fp32 (fp64 for fp64):
+//   * a row inside one tile: the sum of its occurrences;
+//   * a row spanning tiles of one group: the sum of its per-tile sums;
+//   * a row spanning groups: the sum of its per-group sums (each the sum of its per-tile sums there);
+//   * with scale_grad_by_freq the row total is divided by its occurrence count e - s;
 //   * the total is rounded once to grad's dtype (round to nearest even).
 // Rows equal to padding_idx, and rows that never occur, are zero.
 #pragma once
@@ -22,8 +23,9 @@
 
 namespace graphsafe {
 
-// Occurrences summed sequentially before partial sums are combined. Part of the numerical contract.
-inline constexpr int64_t kEmbeddingChunk = 32;
+// Sorted positions per tile, and tiles per group, of the reduction order above. Part of the numerical contract.
+inline constexpr int64_t kEmbeddingTile = 32;
+inline constexpr int64_t kEmbeddingTileGroup = 32;
 
 struct EmbeddingBackwardArgs {
   const void* grad = nullptr;     // [num_indices, dim], contiguous, dtype grad_dtype

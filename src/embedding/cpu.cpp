@@ -15,6 +15,12 @@ namespace {
 using embedding_detail::finish_element;
 using embedding_detail::sort_key;
 
+template <class Acc>
+struct RowScratch {
+  std::vector<Acc> total, group_sum, tile_sum;
+  explicit RowScratch(int64_t dim) : total(dim), group_sum(dim), tile_sum(dim) {}
+};
+
 template <class Index>
 void check_indices_in_range(const Index* indices, int64_t n, int64_t num_weights) {
   for (int64_t i = 0; i < n; ++i) {
@@ -26,30 +32,46 @@ void check_indices_in_range(const Index* indices, int64_t n, int64_t num_weights
   }
 }
 
-// Sums one row's occurrences sorted[begin, end) (positions in the low 32 bits) into out_row.
+// Sums one row's run sorted[begin, end) (positions in the low 32 bits) into out_row, in the tile / group
+// order documented in embedding.h (the CUDA backend's three kernels produce the same three levels).
 template <class T>
 void reduce_row(const T* grad, int64_t dim, const uint64_t* sorted, int64_t begin, int64_t end,
-                bool scale_grad_by_freq, T* out_row, std::vector<typename ElementTraits<T>::Acc>& total,
-                std::vector<typename ElementTraits<T>::Acc>& chunk) {
+                bool scale_grad_by_freq, T* out_row, RowScratch<typename ElementTraits<T>::Acc>& scratch) {
   using Acc = typename ElementTraits<T>::Acc;
-  const int64_t count = end - begin;
-  auto sum_chunk_into = [&](std::vector<Acc>& acc, int64_t from, int64_t to) {
+  auto& [total, group_sum, tile_sum] = scratch;
+  auto sum_occurrences = [&](std::vector<Acc>& acc, int64_t from, int64_t to) {
     std::fill(acc.begin(), acc.end(), Acc(0));
     for (int64_t j = from; j < to; ++j) {
       const T* g = grad + static_cast<int64_t>(sorted[j] & 0xffffffffu) * dim;
       for (int64_t c = 0; c < dim; ++c) acc[c] += ElementTraits<T>::load(g[c]);
     }
   };
-  if (count <= kEmbeddingChunk) {
-    sum_chunk_into(total, begin, end);
+  auto add_into = [dim](std::vector<Acc>& acc, const std::vector<Acc>& part) {
+    for (int64_t c = 0; c < dim; ++c) acc[c] += part[c];
+  };
+  // Sum of the row's per-tile sums over tiles [first_tile, last_tile].
+  auto sum_tiles = [&](std::vector<Acc>& acc, int64_t first_tile, int64_t last_tile) {
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    for (int64_t t = first_tile; t <= last_tile; ++t) {
+      sum_occurrences(tile_sum, std::max(begin, t * kEmbeddingTile), std::min(end, (t + 1) * kEmbeddingTile));
+      add_into(acc, tile_sum);
+    }
+  };
+  const int64_t first_tile = begin / kEmbeddingTile, last_tile = (end - 1) / kEmbeddingTile;
+  const int64_t first_group = first_tile / kEmbeddingTileGroup, last_group = last_tile / kEmbeddingTileGroup;
+  if (first_tile == last_tile) {
+    sum_occurrences(total, begin, end);
+  } else if (first_group == last_group) {
+    sum_tiles(total, first_tile, last_tile);
   } else {
     std::fill(total.begin(), total.end(), Acc(0));
-    for (int64_t from = begin; from < end; from += kEmbeddingChunk) {
-      sum_chunk_into(chunk, from, std::min(from + kEmbeddingChunk, end));
-      for (int64_t c = 0; c < dim; ++c) total[c] += chunk[c];
+    for (int64_t u = first_group; u <= last_group; ++u) {
+      sum_tiles(group_sum, std::max(first_tile, u * kEmbeddingTileGroup),
+                std::min(last_tile, (u + 1) * kEmbeddingTileGroup - 1));
+      add_into(total, group_sum);
     }
   }
-  for (int64_t c = 0; c < dim; ++c) out_row[c] = finish_element<T>(total[c], count, scale_grad_by_freq);
+  for (int64_t c = 0; c < dim; ++c) out_row[c] = finish_element<T>(total[c], end - begin, scale_grad_by_freq);
 }
 
 template <class T, class Index>
@@ -76,12 +98,12 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* 
 
 #pragma omp parallel
   {
-    std::vector<typename ElementTraits<T>::Acc> total(dim), chunk(dim);
+    RowScratch<typename ElementTraits<T>::Acc> scratch(dim);
 #pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t begin = row_starts[r], end = row_starts[r + 1];
       const int64_t row = static_cast<int64_t>(sorted[begin] >> 32);
-      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, out + row * dim, total, chunk);
+      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, out + row * dim, scratch);
     }
   }
 }

@@ -1,13 +1,15 @@
 // CUDA backend of the embedding backward.
 //
 // 1. make_sort_keys: one (row, position) pair per occurrence; padding and out-of-range occurrences get the
-//    sentinel row num_weights (out-of-range ones are also reported in the device error record).
-// 2. A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
-// 3. sum_chunks: every kEmbeddingChunk-th occurrence of a row leads a chunk and sums it. A row that fits
-//    in one chunk is finished and written here; longer rows leave their chunk sums in a partial buffer.
-// 4. combine_partials: each long row adds its chunk sums in order and is written.
-// All buffers are sized from shapes; grids cover every sorted position and threads exit early, so nothing
-// is read back to the host and the whole sequence can be captured in a CUDA graph.
+//    sentinel row num_weights (out-of-range ones are also reported in the device error record). Each row
+//    that occurs is flagged.
+// 2. zero_untouched_rows: zero every row that no occurrence touches (each output byte is written once).
+// 3. A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
+// 4. reduce_tiles / reduce_tile_groups / reduce_long_rows: the three levels of the reduction order in
+//    embedding.h. Each level finishes the rows that end inside its unit and leaves partial sums of longer
+//    rows for the next level, so no thread searches or waits, and work stays spread evenly.
+// All buffers are sized from shapes; grids cover every tile and threads exit early, so nothing is read
+// back to the host and the whole sequence can be captured in a CUDA graph.
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
@@ -21,12 +23,16 @@ namespace graphsafe {
 namespace {
 
 using embedding_detail::finish_element;
-using embedding_detail::partial_slot;
+using embedding_detail::piece_slot;
+using embedding_detail::tile_count;
+using embedding_detail::tile_group_count;
 using embedding_detail::round_up_256;
 using embedding_detail::sort_key;
 
 constexpr int kThreads = 256;
-constexpr int64_t kChunk = kEmbeddingChunk;
+constexpr int64_t kTile = kEmbeddingTile;
+constexpr int64_t kGroupTiles = kEmbeddingTileGroup;
+constexpr int kBatch = 8;  // loads issued ahead of the additions that consume them, in order
 
 int sort_end_bit(int64_t num_weights) {
   // Keys go up to num_weights (the sentinel) and no further.
@@ -46,19 +52,23 @@ __device__ void report_index_error(DeviceErrorRecord* error, int64_t value, int6
 template <class Index>
 __global__ void make_sort_keys(const Index* __restrict__ indices, int64_t n, int64_t num_weights, int64_t padding_idx,
                                uint32_t* __restrict__ keys, uint32_t* __restrict__ positions,
-                               DeviceErrorRecord* error) {
+                               uint8_t* __restrict__ row_occurs, DeviceErrorRecord* error) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t index = static_cast<int64_t>(indices[i]);
     if (index < 0 || index >= num_weights) report_index_error(error, index, num_weights);
-    keys[i] = sort_key(index, num_weights, padding_idx);
+    const uint32_t key = sort_key(index, num_weights, padding_idx);
+    if (key != static_cast<uint32_t>(num_weights)) row_occurs[key] = 1;
+    keys[i] = key;
     positions[i] = static_cast<uint32_t>(i);
   }
 }
 
-// First position in [0, i] whose key equals keys[i] (keys are sorted).
-__device__ int64_t row_start_of(const uint32_t* __restrict__ keys, int64_t i, uint32_t key) {
-  if (i == 0 || keys[i - 1] != key) return i;
-  int64_t lo = 0, hi = i - 1;  // keys[hi] == key
+__device__ bool key_at(const uint32_t* __restrict__ keys, int64_t n, int64_t p, uint32_t key) {
+  return p >= 0 && p < n && keys[p] == key;
+}
+
+// First position in [lo, hi) whose key is >= key (keys are sorted).
+__device__ int64_t lower_bound(const uint32_t* __restrict__ keys, int64_t lo, int64_t hi, uint32_t key) {
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (keys[mid] < key) lo = mid + 1; else hi = mid;
@@ -66,15 +76,13 @@ __device__ int64_t row_start_of(const uint32_t* __restrict__ keys, int64_t i, ui
   return lo;
 }
 
-// One past the last position in [i, n) whose key equals keys[i].
-__device__ int64_t row_end_of(const uint32_t* __restrict__ keys, int64_t n, int64_t i, uint32_t key) {
-  if (i + 1 >= n || keys[i + 1] != key) return i + 1;
-  int64_t lo = i + 1, hi = n;  // keys[lo] == key; answer in (lo, hi]
-  while (lo + 1 < hi) {
+// First position in [lo, hi) whose key is > key.
+__device__ int64_t upper_bound(const uint32_t* __restrict__ keys, int64_t lo, int64_t hi, uint32_t key) {
+  while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (keys[mid] == key) lo = mid; else hi = mid;
+    if (keys[mid] <= key) lo = mid + 1; else hi = mid;
   }
-  return hi;
+  return lo;
 }
 
 // VEC consecutive elements, moved with one wide memory access.
@@ -83,106 +91,187 @@ struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
-// Threads that share one sorted position (one row-chunk): enough to cover the row's vectors, at most a block.
+// Threads that share one work item (a tile, a group of tiles, an output row): enough to cover a row's
+// vectors, at most a block.
 struct Geometry {
-  int group;            // threads per sorted position
+  int group;            // threads per item
   int groups_per_block;
   int64_t blocks;
 };
 
-Geometry geometry_for(int64_t n, int64_t vectors_per_row) {
+Geometry geometry_for(int64_t items, int64_t vectors_per_row) {
   int group = 1;
   while (group < vectors_per_row && group < kThreads) group *= 2;
   const int groups_per_block = kThreads / group;
-  return {group, groups_per_block, (n + groups_per_block - 1) / groups_per_block};
+  return {group, groups_per_block, std::max<int64_t>(1, (items + groups_per_block - 1) / groups_per_block)};
+}
+
+
+template <class T, int VEC>
+__device__ void store_row_vector(T* __restrict__ out, int64_t row, int64_t dim, int64_t v,
+                                 const typename ElementTraits<T>::Acc (&total)[VEC], int64_t count,
+                                 bool scale_grad_by_freq) {
+  Pack<T, VEC> result;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) result.v[k] = finish_element<T>(total[k], count, scale_grad_by_freq);
+  *reinterpret_cast<Pack<T, VEC>*>(out + row * dim + v * VEC) = result;
+}
+
+template <class Acc, int VEC>
+__device__ void store_partial(Acc* __restrict__ partials, int64_t slot, int64_t dim, int64_t v, const Acc (&acc)[VEC]) {
+  Pack<Acc, VEC> p;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) p.v[k] = acc[k];
+  *reinterpret_cast<Pack<Acc, VEC>*>(partials + slot * dim + v * VEC) = p;
+}
+
+template <class Acc, int VEC>
+__device__ void add_partial(Acc (&acc)[VEC], const Acc* __restrict__ partials, int64_t slot, int64_t dim, int64_t v) {
+  const Pack<Acc, VEC> p = *reinterpret_cast<const Pack<Acc, VEC>*>(partials + slot * dim + v * VEC);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] += p.v[k];
 }
 
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    sum_chunks(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
-               int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
-               typename ElementTraits<T>::Acc* __restrict__ partials, int group) {
+    zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t num_weights,
+                        int64_t dim, int group) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  if (row >= num_weights || row_occurs[row]) return;
+  Pack<T, VEC> zero;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) zero.v[k] = ElementTraits<T>::store(0);
+  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group)
+    *reinterpret_cast<Pack<T, VEC>*>(out + row * dim + v * VEC) = zero;
+}
+
+// Level 1: one item per tile of kTile sorted positions. Runs of a row are summed in position order; a row
+// that lies inside the tile is finished, a piece of a longer row goes to the tile's partial slot.
+template <class T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
+                 int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
+                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, int group) {
   using Acc = typename ElementTraits<T>::Acc;
-  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (i >= n) return;
-  const uint32_t key = keys[i];
-  if (key == sentinel) return;
-  const int64_t row_start = row_start_of(keys, i, key);
-  if ((i - row_start) % kChunk != 0) return;  // not the first occurrence of a chunk
-  const int64_t row_end = row_end_of(keys, n, i, key);
-  const int64_t count = row_end - row_start;
-  const int64_t chunk_end = min(i + kChunk, row_end);
-  const int64_t vectors = dim / VEC;
-  for (int64_t v = threadIdx.x % group; v < vectors; v += group) {
+  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t begin = tile * kTile;
+  if (begin >= n) return;
+  const int64_t end = min(begin + kTile, n);
+  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc acc[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
-    // Loads are issued a batch ahead of the additions, which stay in position order.
-    constexpr int kBatch = 4;
-    for (int64_t j = i; j < chunk_end; j += kBatch) {
+    int64_t run_start = begin;
+    for (int64_t batch_start = begin; batch_start < end; batch_start += kBatch) {
       Pack<T, VEC> batch[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (j + b < chunk_end)
-          batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(positions[j + b]) * dim + v * VEC);
+        if (batch_start + b < end)
+          batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(positions[batch_start + b]) * dim + v * VEC);
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (j + b < chunk_end) {
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t j = batch_start + b;
+        if (j >= end) break;
+        const uint32_t key = keys[j];
+        if (key == sentinel) break;  // sentinels sort last: nothing more to sum in this tile
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
-        }
-    }
-    if (count <= kChunk) {
-      Pack<T, VEC> result;
+        for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
+        if (j + 1 < end && keys[j + 1] == key) continue;  // the run goes on inside this tile
+        const bool began_earlier = run_start == begin && key_at(keys, n, begin - 1, key);
+        const bool goes_on = key_at(keys, n, end, key);
+        if (!began_earlier && !goes_on)
+          store_row_vector<T, VEC>(out, key, dim, v, acc, j + 1 - run_start, scale_grad_by_freq);
+        else
+          store_partial<Acc, VEC>(tile_partials, piece_slot(tile, began_earlier), dim, v, acc);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) result.v[k] = finish_element<T>(acc[k], count, scale_grad_by_freq);
-      *reinterpret_cast<Pack<T, VEC>*>(out + int64_t(key) * dim + v * VEC) = result;
-    } else {
-      Pack<Acc, VEC> partial;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) partial.v[k] = acc[k];
-      *reinterpret_cast<Pack<Acc, VEC>*>(partials + partial_slot(i, row_start) * dim + v * VEC) = partial;
+        for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+        run_start = j + 1;
+      }
     }
   }
 }
 
+// Level 2: one item per group of kGroupTiles tiles. Walks the tile pieces of rows longer than a tile, in
+// order; a row that lies inside the group is finished, a piece of a longer row goes to the group's slot.
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    combine_partials(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
-                     bool scale_grad_by_freq, T* __restrict__ out,
-                     const typename ElementTraits<T>::Acc* __restrict__ partials, int group) {
+    reduce_tile_groups(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
+                       bool scale_grad_by_freq, T* __restrict__ out,
+                       const typename ElementTraits<T>::Acc* __restrict__ tile_partials,
+                       typename ElementTraits<T>::Acc* __restrict__ group_partials, int group) {
   using Acc = typename ElementTraits<T>::Acc;
-  const int64_t i = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (i >= n) return;
-  const uint32_t key = keys[i];
-  if (key == sentinel || (i > 0 && keys[i - 1] == key)) return;  // only the start of a row
-  if (i + kChunk >= n || keys[i + kChunk] != key) return;        // short rows were finished by sum_chunks
-  const int64_t row_end = row_end_of(keys, n, i, key);
-  const int64_t count = row_end - i;
-  const int64_t vectors = dim / VEC;
-  for (int64_t v = threadIdx.x % group; v < vectors; v += group) {
+  const int64_t tile_group = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t first_tile = tile_group * kGroupTiles;
+  const int64_t tiles = tile_count(n);
+  if (first_tile >= tiles) return;
+  const int64_t end_tile = min(first_tile + kGroupTiles, tiles);
+  const int64_t group_begin = first_tile * kTile, group_end = min(end_tile * kTile, n);
+
+  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
+    Acc acc[VEC];
+    uint32_t row = sentinel;  // the row whose pieces acc holds; sentinel: none yet
+    auto flush = [&]() {
+      const bool began_earlier = key_at(keys, n, group_begin - 1, row) && keys[group_begin] == row;
+      const bool goes_on = key_at(keys, n, group_end, row) && keys[group_end - 1] == row;
+      if (!began_earlier && !goes_on) {
+        const int64_t count = upper_bound(keys, group_begin, group_end, row) - lower_bound(keys, group_begin, group_end, row);
+        store_row_vector<T, VEC>(out, row, dim, v, acc, count, scale_grad_by_freq);
+      } else {
+        store_partial<Acc, VEC>(group_partials, piece_slot(tile_group, began_earlier), dim, v, acc);
+      }
+    };
+    auto take_piece = [&](uint32_t piece_row, int64_t slot) {
+      if (piece_row != row) {
+        if (row != sentinel) flush();
+        row = piece_row;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+      }
+      add_partial<Acc, VEC>(acc, tile_partials, slot, dim, v);
+    };
+    for (int64_t t = first_tile; t < end_tile; ++t) {
+      const int64_t begin = t * kTile, end = min(begin + kTile, n);
+      const uint32_t first = keys[begin], last = keys[end - 1];
+      const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
+      if (first_began_earlier) take_piece(first, piece_slot(t, true));
+      const bool last_goes_on = last != sentinel && key_at(keys, n, end, last);
+      if (last_goes_on && !(first == last && first_began_earlier)) take_piece(last, piece_slot(t, false));
+    }
+    if (row != sentinel) flush();
+  }
+}
+
+// Level 3: rows that span tile groups. The group in which such a row begins adds the row's group pieces
+// in order and finishes it.
+template <class T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    reduce_long_rows(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
+                     bool scale_grad_by_freq, T* __restrict__ out,
+                     const typename ElementTraits<T>::Acc* __restrict__ group_partials, int group) {
+  using Acc = typename ElementTraits<T>::Acc;
+  constexpr int64_t kGroupSpan = kTile * kGroupTiles;
+  const int64_t tile_group = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t group_begin = tile_group * kGroupSpan;
+  if (group_begin >= n) return;
+  const int64_t group_end = min(group_begin + kGroupSpan, n);
+  const uint32_t row = keys[group_end - 1];
+  if (row == sentinel || !key_at(keys, n, group_end, row)) return;                // does not go on
+  if (keys[group_begin] == row && key_at(keys, n, group_begin - 1, row)) return;  // began earlier
+  const int64_t row_begin = lower_bound(keys, group_begin, group_end, row);
+  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc total[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) total[k] = Acc(0);
-    constexpr int kBatch = 4;
-    for (int64_t start = i; start < row_end; start += kBatch * kChunk) {
-      Pack<Acc, VEC> batch[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (start + b * kChunk < row_end)
-          batch[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(partials + partial_slot(start + b * kChunk, i) * dim +
-                                                              v * VEC);
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (start + b * kChunk < row_end) {
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) total[k] += batch[b].v[k];
-        }
+    add_partial<Acc, VEC>(total, group_partials, piece_slot(tile_group, false), dim, v);
+    int64_t u = tile_group + 1;
+    for (;; ++u) {
+      add_partial<Acc, VEC>(total, group_partials, piece_slot(u, true), dim, v);
+      const int64_t u_end = min((u + 1) * kGroupSpan, n);
+      if (!key_at(keys, n, u_end, row)) break;
     }
-    Pack<T, VEC> result;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) result.v[k] = finish_element<T>(total[k], count, scale_grad_by_freq);
-    *reinterpret_cast<Pack<T, VEC>*>(out + int64_t(key) * dim + v * VEC) = result;
+    const int64_t u_begin = u * kGroupSpan, u_end = min(u_begin + kGroupSpan, n);
+    const int64_t count = upper_bound(keys, u_begin, u_end, row) - row_begin;
+    store_row_vector<T, VEC>(out, row, dim, v, total, count, scale_grad_by_freq);
   }
 }
 
@@ -193,10 +282,13 @@ struct Workspace {
   uint32_t* positions_sorted;
   void* sort_scratch;
   std::size_t sort_bytes;
-  void* partials;
+  uint8_t* row_occurs;
+  void* tile_partials;
+  void* group_partials;
 };
 
-Workspace carve(void* base, int64_t n, int64_t num_weights) {
+// Carves the workspace in the order embedding_backward_workspace_bytes adds it up.
+Workspace carve(void* base, int64_t n, int64_t dim, int64_t num_weights, std::size_t acc_bytes) {
   char* p = static_cast<char*>(base);
   const std::size_t ids = round_up_256(static_cast<std::size_t>(n) * sizeof(uint32_t));
   Workspace w{};
@@ -206,34 +298,60 @@ Workspace carve(void* base, int64_t n, int64_t num_weights) {
   w.positions_sorted = reinterpret_cast<uint32_t*>(p + 3 * ids);
   w.sort_scratch = p + 4 * ids;
   w.sort_bytes = embedding_backward_cuda_sort_bytes(n, num_weights);
-  w.partials = p + 4 * ids + round_up_256(w.sort_bytes);
+  char* q = p + 4 * ids + round_up_256(w.sort_bytes);
+  w.row_occurs = reinterpret_cast<uint8_t*>(q);
+  q += round_up_256(static_cast<std::size_t>(num_weights));
+  w.tile_partials = q;
+  q += round_up_256(2 * static_cast<std::size_t>(tile_count(n)) * static_cast<std::size_t>(dim) * acc_bytes);
+  w.group_partials = q;
   return w;
+}
+
+template <class T, int VEC>
+void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+  const Geometry g = geometry_for(a.num_weights, a.dim / VEC);
+  zero_untouched_rows<T, VEC><<<g.blocks, kThreads, 0, stream>>>(static_cast<T*>(out), w.row_occurs, a.num_weights,
+                                                                 a.dim, g.group);
+  GS_CUDA_CHECK_LAUNCH();
 }
 
 template <class T, int VEC>
 void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
   using Acc = typename ElementTraits<T>::Acc;
-  const Geometry g = geometry_for(a.num_indices, a.dim / VEC);
+  const int64_t n = a.num_indices;
   const auto sentinel = static_cast<uint32_t>(a.num_weights);
-  sum_chunks<T, VEC><<<g.blocks, kThreads, 0, stream>>>(
-      static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim, sentinel,
-      a.scale_grad_by_freq, static_cast<T*>(out), static_cast<Acc*>(w.partials), g.group);
+  T* const result = static_cast<T*>(out);
+  const Geometry tiles = geometry_for(tile_count(n), a.dim / VEC);
+  reduce_tiles<T, VEC><<<tiles.blocks, kThreads, 0, stream>>>(
+      static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n, a.dim, sentinel, a.scale_grad_by_freq,
+      result, static_cast<Acc*>(w.tile_partials), tiles.group);
   GS_CUDA_CHECK_LAUNCH();
-  combine_partials<T, VEC><<<g.blocks, kThreads, 0, stream>>>(w.keys_sorted, a.num_indices, a.dim, sentinel,
-                                                              a.scale_grad_by_freq, static_cast<T*>(out),
-                                                              static_cast<const Acc*>(w.partials), g.group);
+  const Geometry groups = geometry_for(tile_group_count(n), a.dim / VEC);
+  reduce_tile_groups<T, VEC><<<groups.blocks, kThreads, 0, stream>>>(
+      w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
+      static_cast<Acc*>(w.group_partials), groups.group);
+  GS_CUDA_CHECK_LAUNCH();
+  reduce_long_rows<T, VEC><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
+                                                                   a.scale_grad_by_freq, result,
+                                                                   static_cast<const Acc*>(w.group_partials),
+                                                                   groups.group);
   GS_CUDA_CHECK_LAUNCH();
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Zero-fills untouched rows, sorts, and reduces, with 16-byte accesses when rows allow it.
 template <class T>
-void reduce_sorted_dispatch(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+void run_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
   constexpr int kWide = 16 / sizeof(T);
-  if (a.dim % kWide == 0 && aligned16(a.grad) && aligned16(out))
-    reduce_sorted<T, kWide>(a, w, out, stream);
-  else
-    reduce_sorted<T, 1>(a, w, out, stream);
+  const bool wide = a.dim % kWide == 0 && aligned16(a.grad) && aligned16(out);
+  if (wide) zero_untouched<T, kWide>(a, w, out, stream); else zero_untouched<T, 1>(a, w, out, stream);
+  if (a.num_indices == 0) return;
+  std::size_t sort_bytes = w.sort_bytes;
+  GS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_scratch, sort_bytes, w.keys_in, w.keys_sorted,
+                                                w.positions_in, w.positions_sorted, static_cast<int>(a.num_indices),
+                                                0, sort_end_bit(a.num_weights), stream));
+  if (wide) reduce_sorted<T, kWide>(a, w, out, stream); else reduce_sorted<T, 1>(a, w, out, stream);
 }
 
 }  // namespace
@@ -257,35 +375,29 @@ void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, vo
                                 " bytes is smaller than the " + std::to_string(needed) + " required");
   if (error == nullptr) throw std::invalid_argument("embedding_backward: the CUDA backend needs an error record");
   const auto stream = static_cast<cudaStream_t>(stream_handle);
-  const std::size_t out_bytes = static_cast<std::size_t>(a.num_weights * a.dim) * dtype_size(a.grad_dtype);
-  if (out_bytes > 0) {
-    if (out == nullptr) throw std::invalid_argument("embedding_backward: null output");
-    GS_CUDA_CHECK(cudaMemsetAsync(out, 0, out_bytes, stream));  // all-zero bits are +0
-  }
-  if (a.num_indices == 0) return;
-
-  const Workspace w = carve(workspace, a.num_indices, a.num_weights);
+  if (a.num_weights * a.dim > 0 && out == nullptr) throw std::invalid_argument("embedding_backward: null output");
+  const std::size_t acc_bytes = a.grad_dtype == DType::Float64 ? 8 : 4;
+  const Workspace w = carve(workspace, a.num_indices, a.dim, a.num_weights, acc_bytes);
+  if (a.num_weights > 0) GS_CUDA_CHECK(cudaMemsetAsync(w.row_occurs, 0, static_cast<std::size_t>(a.num_weights), stream));
   const int n = static_cast<int>(a.num_indices);
-  const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));
-  if (a.index_dtype == DType::Int32)
-    make_sort_keys<int32_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(a.indices), n,
-                                                                 a.num_weights, padding_idx, w.keys_in,
-                                                                 w.positions_in, error);
-  else
-    make_sort_keys<int64_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(a.indices), n,
-                                                                 a.num_weights, padding_idx, w.keys_in,
-                                                                 w.positions_in, error);
-  GS_CUDA_CHECK_LAUNCH();
-  if (a.dim == 0) return;  // indices were still checked
-  std::size_t sort_bytes = w.sort_bytes;
-  GS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_scratch, sort_bytes, w.keys_in, w.keys_sorted,
-                                                w.positions_in, w.positions_sorted, n, 0,
-                                                sort_end_bit(a.num_weights), stream));
+  if (n > 0) {
+    const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));
+    if (a.index_dtype == DType::Int32)
+      make_sort_keys<int32_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(a.indices), n,
+                                                                   a.num_weights, padding_idx, w.keys_in,
+                                                                   w.positions_in, w.row_occurs, error);
+    else
+      make_sort_keys<int64_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(a.indices), n,
+                                                                   a.num_weights, padding_idx, w.keys_in,
+                                                                   w.positions_in, w.row_occurs, error);
+    GS_CUDA_CHECK_LAUNCH();
+  }
+  if (a.num_weights == 0 || a.dim == 0) return;  // nothing to write (indices were still checked)
   switch (a.grad_dtype) {
-    case DType::Float32: reduce_sorted_dispatch<float>(a, w, out, stream); break;
-    case DType::Float64: reduce_sorted_dispatch<double>(a, w, out, stream); break;
-    case DType::Float16: reduce_sorted_dispatch<f16_t>(a, w, out, stream); break;
-    case DType::BFloat16: reduce_sorted_dispatch<bf16_t>(a, w, out, stream); break;
+    case DType::Float32: run_typed<float>(a, w, out, stream); break;
+    case DType::Float64: run_typed<double>(a, w, out, stream); break;
+    case DType::Float16: run_typed<f16_t>(a, w, out, stream); break;
+    case DType::BFloat16: run_typed<bf16_t>(a, w, out, stream); break;
     default: throw std::invalid_argument("embedding_backward: unsupported grad dtype");
   }
 }

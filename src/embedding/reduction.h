@@ -17,19 +17,19 @@ GS_HD uint32_t sort_key(int64_t index, int64_t num_weights, int64_t padding_idx)
   return static_cast<uint32_t>(contributes ? index : num_weights);
 }
 
-// Slot of a chunk's partial sum in the partial buffer, for rows longer than one chunk. `chunk_start` is the
-// chunk's first position in the sorted occurrence list, `row_start` that of its row. Any window of
-// kEmbeddingChunk sorted positions holds at most two chunk starts of long rows, and if two, exactly one of
-// them starts its row, so the slot is unique; the buffer needs partial_slots(n) entries.
-GS_HD int64_t partial_slot(int64_t chunk_start, int64_t row_start) {
-  return 2 * (chunk_start / kEmbeddingChunk) + (chunk_start == row_start ? 1 : 0);
-}
-
 // Workspace pieces start on 256-byte boundaries (CUB's and vector loads' alignment needs).
 inline constexpr std::size_t round_up_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-inline constexpr int64_t partial_slots(int64_t num_indices) {
-  return 2 * ((num_indices + kEmbeddingChunk - 1) / kEmbeddingChunk);
+GS_HD int64_t tile_count(int64_t num_sorted) { return (num_sorted + kEmbeddingTile - 1) / kEmbeddingTile; }
+GS_HD int64_t tile_group_count(int64_t num_sorted) {
+  return (tile_count(num_sorted) + kEmbeddingTileGroup - 1) / kEmbeddingTileGroup;
+}
+
+// A tile (or group) holds at most two pieces of rows that reach beyond it: the row it starts with, if that
+// row began earlier (slot 2i), and the row it ends with, if that row goes on and began inside it (slot 2i+1).
+// Partial-sum buffers therefore hold two slots per tile (per group).
+GS_HD int64_t piece_slot(int64_t tile_or_group, bool row_began_earlier) {
+  return 2 * tile_or_group + (row_began_earlier ? 0 : 1);
 }
 
 // Final step for one element of a row: optional division by the occurrence count, then one rounding.
