@@ -44,9 +44,10 @@ std::size_t embedding_backward_workspace_bytes(Backend backend, DType grad_dtype
   const std::size_t row_bytes = static_cast<std::size_t>(dim) * acc_bytes;
   using namespace embedding_detail;
   // Keys and positions before and after the sort, the sort's scratch, one "row occurs" flag per row
-  // (so only untouched rows are zero-filled), and the per-tile and per-group partial sums.
+  // (so only untouched rows are zero-filled), per-tile piece records, and per-tile and per-group partial sums.
   return 4 * round_up_256(n * sizeof(uint32_t)) + round_up_256(embedding_backward_cuda_sort_bytes(num_indices, num_weights)) +
          round_up_256(static_cast<std::size_t>(num_weights)) +
+         round_up_256(static_cast<std::size_t>(tile_count(num_indices)) * 8) +  // per-tile piece records (uint2)
          round_up_256(2 * static_cast<std::size_t>(tile_count(num_indices)) * row_bytes) +
          round_up_256(2 * static_cast<std::size_t>(tile_group_count(num_indices)) * row_bytes);
 }

@@ -57,7 +57,7 @@ __global__ void make_sort_keys(const Index* __restrict__ indices, int64_t n, int
     const int64_t index = static_cast<int64_t>(indices[i]);
     if (index < 0 || index >= num_weights) report_index_error(error, index, num_weights);
     const uint32_t key = sort_key(index, num_weights, padding_idx);
-    if (key != static_cast<uint32_t>(num_weights)) row_occurs[key] = 1;
+    if (key != static_cast<uint32_t>(num_weights) && !row_occurs[key]) row_occurs[key] = 1;  // hot rows: read, not write
     keys[i] = key;
     positions[i] = static_cast<uint32_t>(i);
   }
@@ -132,17 +132,25 @@ __device__ void add_partial(Acc (&acc)[VEC], const Acc* __restrict__ partials, i
   for (int k = 0; k < VEC; ++k) acc[k] += p.v[k];
 }
 
+// Zero-fills the rows no occurrence touches. Each block covers kZeroUnitsPerBlock consecutive vectors of
+// the flattened output, so every thread issues several stores (a memset's access pattern).
+constexpr int kZeroUnitsPerThread = 16;
+constexpr int64_t kZeroUnitsPerBlock = int64_t(kThreads) * kZeroUnitsPerThread;
+
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t num_weights,
-                        int64_t dim, int group) {
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  if (row >= num_weights || row_occurs[row]) return;
+    zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t total_vectors,
+                        int64_t vectors_per_row) {
   Pack<T, VEC> zero;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) zero.v[k] = ElementTraits<T>::store(0);
-  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group)
-    *reinterpret_cast<Pack<T, VEC>*>(out + row * dim + v * VEC) = zero;
+  const int64_t first = int64_t(blockIdx.x) * kZeroUnitsPerBlock + threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < kZeroUnitsPerThread; ++i) {
+    const int64_t unit = first + int64_t(i) * kThreads;
+    if (unit < total_vectors && !row_occurs[unit / vectors_per_row])
+      reinterpret_cast<Pack<T, VEC>*>(out)[unit] = zero;
+  }
 }
 
 // Level 1: one item per tile of kTile sorted positions. Runs of a row are summed in position order; a row
@@ -151,12 +159,21 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
                  int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
-                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, int group) {
+                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
+                 int group) {
   using Acc = typename ElementTraits<T>::Acc;
   const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t begin = tile * kTile;
   if (begin >= n) return;
   const int64_t end = min(begin + kTile, n);
+  if (threadIdx.x % group == 0) {
+    // The rows of this tile's partial slots (sentinel: slot unused), for reduce_tile_groups.
+    const uint32_t first = keys[begin], last = keys[end - 1];
+    const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
+    const bool last_goes_on = last != sentinel && key_at(keys, n, end, last);
+    tile_pieces[tile] = make_uint2(first_began_earlier ? first : sentinel,
+                                   last_goes_on && !(first == last && first_began_earlier) ? last : sentinel);
+  }
   for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc acc[VEC];
 #pragma unroll
@@ -191,15 +208,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Level 2: one item per group of kGroupTiles tiles. Walks the tile pieces of rows longer than a tile, in
+// Level 2: one item per group of kGroupTiles tiles. Takes the tile pieces of rows longer than a tile in
 // order; a row that lies inside the group is finished, a piece of a longer row goes to the group's slot.
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     reduce_tile_groups(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
                        bool scale_grad_by_freq, T* __restrict__ out,
                        const typename ElementTraits<T>::Acc* __restrict__ tile_partials,
+                       const uint2* __restrict__ tile_pieces,
                        typename ElementTraits<T>::Acc* __restrict__ group_partials, int group) {
   using Acc = typename ElementTraits<T>::Acc;
+  constexpr int kTilesAhead = 4;  // tiles whose records and partials are loaded before they are added
   const int64_t tile_group = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t first_tile = tile_group * kGroupTiles;
   const int64_t tiles = tile_count(n);
@@ -220,22 +239,33 @@ __global__ void __launch_bounds__(kThreads)
         store_partial<Acc, VEC>(group_partials, piece_slot(tile_group, began_earlier), dim, v, acc);
       }
     };
-    auto take_piece = [&](uint32_t piece_row, int64_t slot) {
+    auto take_piece = [&](uint32_t piece_row, const Pack<Acc, VEC>& piece) {
       if (piece_row != row) {
         if (row != sentinel) flush();
         row = piece_row;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
       }
-      add_partial<Acc, VEC>(acc, tile_partials, slot, dim, v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] += piece.v[k];
     };
-    for (int64_t t = first_tile; t < end_tile; ++t) {
-      const int64_t begin = t * kTile, end = min(begin + kTile, n);
-      const uint32_t first = keys[begin], last = keys[end - 1];
-      const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
-      if (first_began_earlier) take_piece(first, piece_slot(t, true));
-      const bool last_goes_on = last != sentinel && key_at(keys, n, end, last);
-      if (last_goes_on && !(first == last && first_began_earlier)) take_piece(last, piece_slot(t, false));
+    for (int64_t ahead = first_tile; ahead < end_tile; ahead += kTilesAhead) {
+      uint2 rows[kTilesAhead];
+      Pack<Acc, VEC> earlier[kTilesAhead], later[kTilesAhead];
+#pragma unroll
+      for (int b = 0; b < kTilesAhead; ++b) {
+        const int64_t t = ahead + b;
+        rows[b] = t < end_tile ? tile_pieces[t] : make_uint2(sentinel, sentinel);
+        if (rows[b].x != sentinel)
+          earlier[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(tile_partials + piece_slot(t, true) * dim + v * VEC);
+        if (rows[b].y != sentinel)
+          later[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(tile_partials + piece_slot(t, false) * dim + v * VEC);
+      }
+#pragma unroll
+      for (int b = 0; b < kTilesAhead; ++b) {
+        if (rows[b].x != sentinel) take_piece(rows[b].x, earlier[b]);
+        if (rows[b].y != sentinel) take_piece(rows[b].y, later[b]);
+      }
     }
     if (row != sentinel) flush();
   }
@@ -283,6 +313,7 @@ struct Workspace {
   void* sort_scratch;
   std::size_t sort_bytes;
   uint8_t* row_occurs;
+  uint2* tile_pieces;
   void* tile_partials;
   void* group_partials;
 };
@@ -301,6 +332,8 @@ Workspace carve(void* base, int64_t n, int64_t dim, int64_t num_weights, std::si
   char* q = p + 4 * ids + round_up_256(w.sort_bytes);
   w.row_occurs = reinterpret_cast<uint8_t*>(q);
   q += round_up_256(static_cast<std::size_t>(num_weights));
+  w.tile_pieces = reinterpret_cast<uint2*>(q);
+  q += round_up_256(static_cast<std::size_t>(tile_count(n)) * sizeof(uint2));
   w.tile_partials = q;
   q += round_up_256(2 * static_cast<std::size_t>(tile_count(n)) * static_cast<std::size_t>(dim) * acc_bytes);
   w.group_partials = q;
@@ -309,9 +342,10 @@ Workspace carve(void* base, int64_t n, int64_t dim, int64_t num_weights, std::si
 
 template <class T, int VEC>
 void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
-  const Geometry g = geometry_for(a.num_weights, a.dim / VEC);
-  zero_untouched_rows<T, VEC><<<g.blocks, kThreads, 0, stream>>>(static_cast<T*>(out), w.row_occurs, a.num_weights,
-                                                                 a.dim, g.group);
+  const int64_t vectors_per_row = a.dim / VEC, total = a.num_weights * vectors_per_row;
+  const int64_t blocks = (total + kZeroUnitsPerBlock - 1) / kZeroUnitsPerBlock;
+  zero_untouched_rows<T, VEC><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(out), w.row_occurs, total,
+                                                               vectors_per_row);
   GS_CUDA_CHECK_LAUNCH();
 }
 
@@ -324,12 +358,12 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
   const Geometry tiles = geometry_for(tile_count(n), a.dim / VEC);
   reduce_tiles<T, VEC><<<tiles.blocks, kThreads, 0, stream>>>(
       static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n, a.dim, sentinel, a.scale_grad_by_freq,
-      result, static_cast<Acc*>(w.tile_partials), tiles.group);
+      result, static_cast<Acc*>(w.tile_partials), w.tile_pieces, tiles.group);
   GS_CUDA_CHECK_LAUNCH();
   const Geometry groups = geometry_for(tile_group_count(n), a.dim / VEC);
   reduce_tile_groups<T, VEC><<<groups.blocks, kThreads, 0, stream>>>(
       w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
-      static_cast<Acc*>(w.group_partials), groups.group);
+      w.tile_pieces, static_cast<Acc*>(w.group_partials), groups.group);
   GS_CUDA_CHECK_LAUNCH();
   reduce_long_rows<T, VEC><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
                                                                    a.scale_grad_by_freq, result,
