@@ -7,7 +7,7 @@
 // 3. A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
 // 4. reduce_tiles / reduce_tile_groups / reduce_long_rows: the three levels of the reduction order in
 //    embedding.h. Each level finishes the rows that end inside its unit and leaves partial sums of longer
-//    rows for the next level, so no thread searches or waits, and work stays spread evenly.
+//    rows for the next level, so work stays spread evenly and searches are short and rare.
 // All buffers are sized from shapes; grids cover every tile and threads exit early, so nothing is read
 // back to the host and the whole sequence can be captured in a CUDA graph.
 #include <cub/device/device_radix_sort.cuh>
@@ -208,8 +208,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Level 2: one item per group of kGroupTiles tiles. Takes the tile pieces of rows longer than a tile in
-// order; a row that lies inside the group is finished, a piece of a longer row goes to the group's slot.
+// Level 2: rows longer than a tile, within each group of kGroupTiles tiles. One item per tile; a tile
+// leads the row that begins in it and goes on, and a group's first tile also leads the row that reaches
+// into the group from before. A leader adds the row's tile pieces in order up to the end of the row or of
+// the group: a row that lies inside the group is finished, a longer row leaves a piece in the group's slot.
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     reduce_tile_groups(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
@@ -218,56 +220,52 @@ __global__ void __launch_bounds__(kThreads)
                        const uint2* __restrict__ tile_pieces,
                        typename ElementTraits<T>::Acc* __restrict__ group_partials, int group) {
   using Acc = typename ElementTraits<T>::Acc;
-  constexpr int kTilesAhead = 4;  // tiles whose records and partials are loaded before they are added
-  const int64_t tile_group = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  const int64_t first_tile = tile_group * kGroupTiles;
+  constexpr int kTilesAhead = 4;  // tile records and partials loaded before they are added, in order
+  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t tiles = tile_count(n);
-  if (first_tile >= tiles) return;
-  const int64_t end_tile = min(first_tile + kGroupTiles, tiles);
+  if (tile >= tiles) return;
+  const uint2 record = tile_pieces[tile];
+  const bool leads_later = record.y != sentinel;
+  const bool leads_earlier = record.x != sentinel && tile % kGroupTiles == 0;
+  if (!leads_later && !leads_earlier) return;
+  const int64_t tile_group = tile / kGroupTiles;
+  const int64_t first_tile = tile_group * kGroupTiles, end_tile = min(first_tile + kGroupTiles, tiles);
   const int64_t group_begin = first_tile * kTile, group_end = min(end_tile * kTile, n);
 
-  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
-    Acc acc[VEC];
-    uint32_t row = sentinel;  // the row whose pieces acc holds; sentinel: none yet
-    auto flush = [&]() {
-      const bool began_earlier = key_at(keys, n, group_begin - 1, row) && keys[group_begin] == row;
-      const bool goes_on = key_at(keys, n, group_end, row) && keys[group_end - 1] == row;
-      if (!began_earlier && !goes_on) {
-        const int64_t count = upper_bound(keys, group_begin, group_end, row) - lower_bound(keys, group_begin, group_end, row);
+  for (int role = 0; role < 2; ++role) {
+    if (role == 0 ? !leads_earlier : !leads_later) continue;
+    const uint32_t row = role == 0 ? record.x : record.y;
+    const bool began_earlier = role == 0;  // a group's first-tile "earlier" piece began before the group
+    // The row's last tile inside the group: it goes on through tile t while t's record starts with it.
+    int64_t last = tile;
+    while (last + 1 < end_tile && tile_pieces[last + 1].x == row) ++last;
+    const bool goes_on = last + 1 == end_tile && key_at(keys, n, group_end, row);
+    int64_t count = 0;
+    if (!began_earlier && !goes_on)
+      count = upper_bound(keys, tile * kTile, group_end, row) - lower_bound(keys, tile * kTile, group_end, row);
+    for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
+      Acc acc[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+      add_partial<Acc, VEC>(acc, tile_partials, piece_slot(tile, began_earlier), dim, v);
+      for (int64_t ahead = tile + 1; ahead <= last; ahead += kTilesAhead) {
+        Pack<Acc, VEC> pieces[kTilesAhead];
+#pragma unroll
+        for (int b = 0; b < kTilesAhead; ++b)
+          if (ahead + b <= last)
+            pieces[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(tile_partials + piece_slot(ahead + b, true) * dim + v * VEC);
+#pragma unroll
+        for (int b = 0; b < kTilesAhead; ++b)
+          if (ahead + b <= last) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) acc[k] += pieces[b].v[k];
+          }
+      }
+      if (!began_earlier && !goes_on)
         store_row_vector<T, VEC>(out, row, dim, v, acc, count, scale_grad_by_freq);
-      } else {
+      else
         store_partial<Acc, VEC>(group_partials, piece_slot(tile_group, began_earlier), dim, v, acc);
-      }
-    };
-    auto take_piece = [&](uint32_t piece_row, const Pack<Acc, VEC>& piece) {
-      if (piece_row != row) {
-        if (row != sentinel) flush();
-        row = piece_row;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
-      }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] += piece.v[k];
-    };
-    for (int64_t ahead = first_tile; ahead < end_tile; ahead += kTilesAhead) {
-      uint2 rows[kTilesAhead];
-      Pack<Acc, VEC> earlier[kTilesAhead], later[kTilesAhead];
-#pragma unroll
-      for (int b = 0; b < kTilesAhead; ++b) {
-        const int64_t t = ahead + b;
-        rows[b] = t < end_tile ? tile_pieces[t] : make_uint2(sentinel, sentinel);
-        if (rows[b].x != sentinel)
-          earlier[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(tile_partials + piece_slot(t, true) * dim + v * VEC);
-        if (rows[b].y != sentinel)
-          later[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(tile_partials + piece_slot(t, false) * dim + v * VEC);
-      }
-#pragma unroll
-      for (int b = 0; b < kTilesAhead; ++b) {
-        if (rows[b].x != sentinel) take_piece(rows[b].x, earlier[b]);
-        if (rows[b].y != sentinel) take_piece(rows[b].y, later[b]);
-      }
     }
-    if (row != sentinel) flush();
   }
 }
 
@@ -360,11 +358,11 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
       static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n, a.dim, sentinel, a.scale_grad_by_freq,
       result, static_cast<Acc*>(w.tile_partials), w.tile_pieces, tiles.group);
   GS_CUDA_CHECK_LAUNCH();
-  const Geometry groups = geometry_for(tile_group_count(n), a.dim / VEC);
-  reduce_tile_groups<T, VEC><<<groups.blocks, kThreads, 0, stream>>>(
+  reduce_tile_groups<T, VEC><<<tiles.blocks, kThreads, 0, stream>>>(
       w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
-      w.tile_pieces, static_cast<Acc*>(w.group_partials), groups.group);
+      w.tile_pieces, static_cast<Acc*>(w.group_partials), tiles.group);
   GS_CUDA_CHECK_LAUNCH();
+  const Geometry groups = geometry_for(tile_group_count(n), a.dim / VEC);
   reduce_long_rows<T, VEC><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
                                                                    a.scale_grad_by_freq, result,
                                                                    static_cast<const Acc*>(w.group_partials),
