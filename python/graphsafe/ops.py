@@ -21,7 +21,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _normalise_padding_idx(padding_idx: int, num_weights: int) -> int:
     """-1 means none; other negatives count from the end (torch's convention)."""
     normalised = padding_idx + num_weights if padding_idx < -1 else padding_idx
-    if normalised < -1 or normalised >= num_weights:
+    if padding_idx != -1 and not 0 <= normalised < num_weights:
         raise ValueError(
             f"embedding_backward: padding_idx {padding_idx} is out of range for {num_weights} rows (use -1 for none)"
         )

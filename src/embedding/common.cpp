@@ -23,9 +23,12 @@ int64_t validate_embedding_backward_args(const EmbeddingBackwardArgs& a) {
   if (a.num_indices >= std::numeric_limits<int32_t>::max())
     fail("at most 2^31 - 2 indices per call, got " + std::to_string(a.num_indices));
   if (a.num_indices > 0 && a.dim > 0 && (a.grad == nullptr || a.indices == nullptr)) fail("null input pointer");
+  // -1 means none; other negatives count from the end as in torch (-2 is the second-to-last row) and must
+  // land on a row, not wrap around to -1.
   int64_t padding_idx = a.padding_idx;
-  if (padding_idx < -1) padding_idx += a.num_weights;  // torch's convention: -2 is the second-to-last row
-  if (padding_idx < -1 || padding_idx >= a.num_weights)
+  if (padding_idx < -1) padding_idx += a.num_weights;
+  const bool valid = a.padding_idx == -1 || (padding_idx >= 0 && padding_idx < a.num_weights);
+  if (!valid)
     fail("padding_idx " + std::to_string(a.padding_idx) + " is out of range for " +
          std::to_string(a.num_weights) + " rows (use -1 for none)");
   return padding_idx;

@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool leads_earlier = record.x != sentinel && tile % kGroupTiles == 0;
   if (!leads_later && !leads_earlier) return;
   const int64_t tile_group = tile / kGroupTiles;
-  const int64_t first_tile = tile_group * kGroupTiles, end_tile = min(first_tile + kGroupTiles, tiles);
-  const int64_t group_begin = first_tile * kTile, group_end = min(end_tile * kTile, n);
+  const int64_t end_tile = min((tile_group + 1) * kGroupTiles, tiles);
+  const int64_t group_end = min(end_tile * kTile, n);
 
   for (int role = 0; role < 2; ++role) {
     if (role == 0 ? !leads_earlier : !leads_later) continue;
