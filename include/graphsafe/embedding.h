@@ -4,9 +4,9 @@
 // out[num_weights, D] = sum over i with indices[i] == r of grad[i], for every row r.
 //
 // Reduction order (identical on every backend, fixed by the input alone, so results agree bitwise).
-// The occurrences are sorted by (row, position); a row's occurrences then form a run [s, e) of sorted
-// positions. Sorted positions are cut into aligned tiles of kEmbeddingTile, and tiles into aligned groups
-// of kEmbeddingTileGroup tiles. Every sum below runs left to right from +0, in fp32 (fp64 for fp64):
+// The contributing occurrences (padding and, on CUDA, out-of-range ones excluded) are sorted by
+// (row, position); a row's occurrences then form a run [s, e) of sorted positions. Sorted positions are
+// cut into aligned tiles of kEmbeddingTile, and tiles into aligned groups of kEmbeddingTileGroup tiles. Every sum below runs left to right from +0, in fp32 (fp64 for fp64):
 //   * a row inside one tile: the sum of its occurrences;
 //   * a row spanning tiles of one group: the sum of its per-tile sums;
 //   * a row spanning groups: the sum of its per-group sums (each the sum of its per-tile sums there);
@@ -58,5 +58,23 @@ void embedding_backward_dense_cpu(const EmbeddingBackwardArgs& args, void* out, 
 // valid rows are still correct. Throws std::runtime_error without a CUDA backend.
 void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& args, void* out, void* workspace,
                                    std::size_t workspace_bytes, DeviceErrorRecord* error, StreamHandle stream);
+
+// Forward lookup out[i, :] = weight[indices[i], :] (any element type: rows are copied as bytes).
+struct EmbeddingLookupArgs {
+  const void* weight = nullptr;   // [num_weights, dim], contiguous
+  std::size_t element_bytes = 4;  // size of one weight element
+  const void* indices = nullptr;  // [num_indices], contiguous, Int32 or Int64
+  DType index_dtype = DType::Int64;
+  int64_t num_indices = 0;
+  int64_t dim = 0;
+  int64_t num_weights = 0;
+};
+
+// CPU: an index outside [0, num_weights) throws std::out_of_range before anything is written.
+void embedding_lookup_cpu(const EmbeddingLookupArgs& args, void* out);
+
+// CUDA, asynchronous on `stream`: an out-of-range index yields a zero row and is recorded in `error`;
+// nothing is read out of bounds.
+void embedding_lookup_cuda(const EmbeddingLookupArgs& args, void* out, DeviceErrorRecord* error, StreamHandle stream);
 
 }  // namespace graphsafe

@@ -78,11 +78,10 @@ def embedding_backward(
         dtype=torch.uint8,
         device=device,
     )
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     _C.embedding_backward_dense(
         device.type,
         device.index or 0,
-        stream,
+        _stream_of(device),
         out.data_ptr(),
         grad.data_ptr(),
         _dtype_name(grad.dtype),
@@ -105,14 +104,53 @@ def _embedding_backward_fake(grad, indices, num_weights, padding_idx=-1, scale_g
     return grad.new_empty((num_weights, grad.shape[-1]))
 
 
+def _stream_of(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"embedding: weight must be 2-D [num_weights, D], got shape {tuple(weight.shape)}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"embedding: indices must be int32 or int64, got {indices.dtype}")
+    if weight.device != indices.device:
+        raise ValueError(f"embedding: weight is on {weight.device} but indices are on {indices.device}")
+
+
 @torch.library.custom_op("graphsafe::embedding", mutates_args=())
 def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:
-    """Embedding lookup weight[indices] whose backward is graphsafe's embedding_backward."""
-    return torch.nn.functional.embedding(indices, weight)
+    """Embedding lookup weight[indices] whose backward is graphsafe's embedding_backward.
+
+    Out-of-range indices raise IndexError on the CPU; on CUDA they yield zero rows (nothing is read out of
+    bounds, also in a replayed graph) and raise graphsafe.DeviceIndexError at the next graphsafe call or
+    graphsafe.check_errors(), instead of the device-side assert that stops torch's own kernel.
+    """
+    _check_embedding_inputs(weight, indices)
+    if weight.device.type not in ("cpu", "cuda") or not weight.is_contiguous() or weight.layout != torch.strided:
+        return torch.nn.functional.embedding(indices, weight)  # rare layouts: torch's own kernel
+    raise_pending_device_error()
+    indices = indices.contiguous()
+    dim = weight.shape[1]
+    out = torch.empty((*indices.shape, dim), dtype=weight.dtype, device=weight.device)
+    _C.embedding_lookup(
+        weight.device.type,
+        weight.device.index or 0,
+        _stream_of(weight.device),
+        out.data_ptr(),
+        weight.data_ptr(),
+        weight.element_size(),
+        indices.data_ptr(),
+        _dtype_name(indices.dtype),
+        indices.numel(),
+        dim,
+        weight.shape[0],
+    )
+    return out
 
 
 @embedding.register_fake
 def _embedding_fake(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
+    _check_embedding_inputs(weight, indices)
     return weight.new_empty((*indices.shape, weight.shape[-1]))
 
 

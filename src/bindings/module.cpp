@@ -102,6 +102,32 @@ NB_MODULE(_C, m) {
       nb::arg("num_weights"), nb::arg("padding_idx"), nb::arg("scale_grad_by_freq"), nb::arg("workspace"),
       nb::arg("workspace_bytes"));
 
+  m.def(
+      "embedding_lookup",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, std::uintptr_t out,
+         std::uintptr_t weight, std::size_t element_bytes, std::uintptr_t indices, const std::string& index_dtype,
+         int64_t num_indices, int64_t dim, int64_t num_weights) {
+        EmbeddingLookupArgs args;
+        args.weight = as_pointer(weight);
+        args.element_bytes = element_bytes;
+        args.indices = as_pointer(indices);
+        args.index_dtype = dtype_from_name(index_dtype);
+        args.num_indices = num_indices;
+        args.dim = dim;
+        args.num_weights = num_weights;
+        if (backend_from_name(device_type) == Backend::Cpu) {
+          nb::gil_scoped_release release;
+          embedding_lookup_cpu(args, as_pointer(out));
+          return;
+        }
+        on_device(device_index, [&] {
+          embedding_lookup_cuda(args, as_pointer(out), device_error_record(), reinterpret_cast<StreamHandle>(stream));
+        });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("out"), nb::arg("weight"),
+      nb::arg("element_bytes"), nb::arg("indices"), nb::arg("index_dtype"), nb::arg("num_indices"), nb::arg("dim"),
+      nb::arg("num_weights"));
+
   m.def("take_device_error", &take_device_error, nb::arg("clear") = true,
         "Message of the error a kernel recorded, or '' (reads mapped host memory; never synchronises).");
 }

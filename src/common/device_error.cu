@@ -42,9 +42,9 @@ std::string take_device_error(bool clear) {
   if (code == DeviceErrorCode::None) return {};
   std::string message;
   if (code == DeviceErrorCode::IndexOutOfRange)
-    message = "embedding_backward: index " + std::to_string(record->bad_value) +
-              " is out of range for an embedding with " + std::to_string(record->upper_bound) +
-              " rows (found on the GPU; out-of-range occurrences were left out of the gradient)";
+    message = "index " + std::to_string(record->bad_value) + " is out of range for an embedding with " +
+              std::to_string(record->upper_bound) +
+              " rows (found on the GPU and left out: a lookup gave a zero row, a gradient skipped it)";
   else
     message = "graphsafe device error code " + std::to_string(static_cast<int64_t>(code));
   if (clear) record->code = 0;

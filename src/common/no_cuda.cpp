@@ -18,6 +18,7 @@ bool cuda_backend_available() { return false; }
 DeviceErrorRecord* device_error_record() { no_cuda(); }
 std::string take_device_error(bool) { return {}; }
 std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
+void embedding_lookup_cuda(const EmbeddingLookupArgs&, void*, DeviceErrorRecord*, StreamHandle) { no_cuda(); }
 void embedding_backward_dense_cuda(const EmbeddingBackwardArgs&, void*, void*, std::size_t, DeviceErrorRecord*,
                                    StreamHandle) {
   no_cuda();

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common/cuda_check.h"
+#include "common/device_error.cuh"
 #include "embedding/reduction.h"
 #include "graphsafe/embedding.h"
 
@@ -41,21 +42,13 @@ int sort_end_bit(int64_t num_weights) {
   return bits;
 }
 
-__device__ void report_index_error(DeviceErrorRecord* error, int64_t value, int64_t bound) {
-  volatile DeviceErrorRecord* record = error;
-  record->bad_value = value;
-  record->upper_bound = bound;
-  __threadfence_system();  // the details land before the code that announces them
-  record->code = static_cast<int64_t>(DeviceErrorCode::IndexOutOfRange);
-}
-
 template <class Index>
 __global__ void make_sort_keys(const Index* __restrict__ indices, int64_t n, int64_t num_weights, int64_t padding_idx,
                                uint32_t* __restrict__ keys, uint32_t* __restrict__ positions,
                                uint8_t* __restrict__ row_occurs, DeviceErrorRecord* error) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t index = static_cast<int64_t>(indices[i]);
-    if (index < 0 || index >= num_weights) report_index_error(error, index, num_weights);
+    if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
     const uint32_t key = sort_key(index, num_weights, padding_idx);
     if (key != static_cast<uint32_t>(num_weights) && !row_occurs[key]) row_occurs[key] = 1;  // hot rows: read, not write
     keys[i] = key;

@@ -1,0 +1,20 @@
+// Argument checks shared by the CPU and CUDA embedding lookups.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "graphsafe/embedding.h"
+
+namespace graphsafe::embedding_detail {
+
+inline void validate_lookup_args(const EmbeddingLookupArgs& a) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("embedding: " + msg); };
+  if (a.index_dtype != DType::Int32 && a.index_dtype != DType::Int64)
+    fail(std::string("indices must be int32 or int64, got ") + dtype_name(a.index_dtype));
+  if (a.num_indices < 0 || a.dim < 0 || a.num_weights < 0) fail("negative shape");
+  if (a.element_bytes == 0 || a.element_bytes > 16) fail("unsupported element size");
+  if (a.num_indices > 0 && a.dim > 0 && (a.weight == nullptr || a.indices == nullptr)) fail("null input pointer");
+}
+
+}  // namespace graphsafe::embedding_detail

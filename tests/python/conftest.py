@@ -1,0 +1,264 @@
+"""Shared helpers for graphsafe's Python tests.
+
+Test modules import the plain helpers from here (`from conftest import ...`): pytest puts this folder on
+sys.path (default "prepend" import mode, no __init__.py), and helpers used inside hypothesis tests must not
+be function-scoped fixtures.
+
+What lives here:
+  * `requires_cuda`: skip marker for tests that need a GPU *and* graphsafe's CUDA backend.
+  * index generators (uniform, zipf-skewed, hot rows), all driven by an explicit seeded torch.Generator and
+    built on the CPU (move them with .to(device)), so a CPU run and a CUDA run see the same indices.
+  * `fp64_reference_and_bound`: aten's embedding_dense_backward in float64 plus a per-element error bound
+    derived from how graphsafe accumulates (see the function's comment).
+  * `assert_bitwise_equal`: equality of bit patterns (stricter than torch.equal, which calls -0.0 == +0.0).
+  * `OpRecorder`: a TorchDispatchMode that records which ops ran (e.g. to prove a backward went through
+    graphsafe.embedding_backward and not aten.embedding_dense_backward).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphsafe
+
+# --------------------------------------------------------------------------------------------------------
+# Markers
+# --------------------------------------------------------------------------------------------------------
+
+CUDA_USABLE = bool(torch.cuda.is_available() and graphsafe.cuda_backend_built())
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or not graphsafe.cuda_backend_built(),
+    reason="needs a CUDA device and graphsafe built with its CUDA backend",
+)
+
+GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Sorted positions per tile and tiles per group of the documented reduction order (graphsafe::kEmbeddingTile
+# and graphsafe::kEmbeddingTileGroup in include/graphsafe/embedding.h; part of the numerical contract).
+TILE = 32
+TILE_GROUP = 32
+
+
+# --------------------------------------------------------------------------------------------------------
+# Seeds and generators
+# --------------------------------------------------------------------------------------------------------
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU torch.Generator seeded with `seed`."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(seed))
+    return gen
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the test's node id: stable across runs, different between tests."""
+    digest = hashlib.sha256(request.node.nodeid.encode()).digest()
+    return make_generator(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _shape_of(n_or_shape) -> tuple[int, ...]:
+    if isinstance(n_or_shape, int):
+        return (n_or_shape,)
+    return tuple(int(s) for s in n_or_shape)
+
+
+def uniform_indices(shape, num_weights: int, generator: torch.Generator, dtype=torch.int64) -> torch.Tensor:
+    """Indices drawn uniformly from [0, num_weights), of the given shape (an int means 1-D)."""
+    shape = _shape_of(shape)
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.randint(0, num_weights, shape, generator=generator, dtype=torch.int64).to(dtype)
+
+
+def zipf_indices(
+    shape, num_weights: int, generator: torch.Generator, dtype=torch.int64, exponent: float = 1.1
+) -> torch.Tensor:
+    """Zipf-skewed indices: rank k (1-based) has probability proportional to 1/k^exponent, and the ranks are
+    assigned to rows by a random permutation, so the hot rows are scattered over the table. Sampled with
+    replacement through torch.multinomial."""
+    shape = _shape_of(shape)
+    n = math.prod(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    ranks = torch.arange(1, num_weights + 1, dtype=torch.float64)
+    probs = ranks.pow(-exponent)
+    probs = probs / probs.sum()
+    rank_of_sample = torch.multinomial(probs, n, replacement=True, generator=generator)
+    row_of_rank = torch.randperm(num_weights, generator=generator)
+    return row_of_rank[rank_of_sample].reshape(shape).to(dtype)
+
+
+def hot_row_indices(
+    shape, num_weights: int, generator: torch.Generator, dtype=torch.int64, num_hot: int = 2
+) -> torch.Tensor:
+    """Every index comes from a small set of `num_hot` random rows (so each of them occurs about
+    numel/num_hot times: long runs that span several tiles and tile groups)."""
+    shape = _shape_of(shape)
+    n = math.prod(shape)
+    num_hot = max(1, min(num_hot, num_weights))
+    hot = torch.randperm(num_weights, generator=generator)[:num_hot]
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    pick = torch.randint(0, num_hot, (n,), generator=generator)
+    return hot[pick].reshape(shape).to(dtype)
+
+
+INDEX_GENERATORS = {
+    "uniform": uniform_indices,
+    "zipf": zipf_indices,
+    "hot": hot_row_indices,
+}
+
+
+def random_grad(shape, dtype: torch.dtype, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Standard-normal values (times `scale`) rounded to `dtype`."""
+    return (torch.randn(_shape_of(shape), generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# References
+# --------------------------------------------------------------------------------------------------------
+
+
+def normalise_padding_idx(padding_idx: int | None, num_weights: int) -> int:
+    """graphsafe's convention: None/-1 = none, other negatives count from the end (-2 = num_weights - 2).
+    aten.embedding_dense_backward compares indices with padding_idx as given, so the reference must be
+    handed the normalised row."""
+    if padding_idx is None or padding_idx == -1:
+        return -1
+    return padding_idx + num_weights if padding_idx < 0 else padding_idx
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gamma(k: torch.Tensor, u: float) -> torch.Tensor:
+    """(1 + u)^k - 1: bound on the relative effect of k roundings of unit roundoff u (Higham, Lemma 3.1;
+    it is <= gamma_k = k*u / (1 - k*u) when k*u < 1, and unlike gamma_k stays valid for any k)."""
+    return torch.expm1(k.to(torch.float64) * torch.log1p(torch.tensor(u, dtype=torch.float64)))
+
+
+def fp64_reference_and_bound(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    num_weights: int,
+    padding_idx: int | None,
+    scale_grad_by_freq: bool,
+    out_dtype: torch.dtype | None = None,
+    accumulation: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (ref, bound), both float64 [num_weights, D], with |result - ref| <= bound elementwise for any
+    result computed the way graphsafe documents it.
+
+    ref is aten.embedding_dense_backward on grad upcast to float64 (exact inputs: every fp16/bf16/fp32 value
+    is exact in fp64). For a row r with n = count(r) contributing occurrences g_1..g_n and
+    A = sum_i |g_i| (divided by n under scale_grad_by_freq), the bound is the sum of:
+
+      * accumulation: the n - 1 additions (any summation tree, so also the tiled one) plus, with
+        scale_grad_by_freq, one division, each rounded in the accumulation format of unit roundoff u_acc
+        (2^-24 fp32, 2^-53 fp64): |fl(sum) - sum| <= gamma_n(u_acc) * A           (Higham, Sec. 4.2)
+        where gamma_k = (1 + u)^k - 1
+      * the reference's own float64 rounding (aten may scale each term before summing):
+        gamma_{n+2}(2^-53) * A
+      * the single final rounding of the accumulator to the output dtype, only when that dtype is narrower
+        than the accumulator: u_out * |x| + (half the subnormal spacing), where |x| <= |ref| + the two terms
+        above.
+
+    Rows that never occur (and the padding row) get bound 0: they must be exactly zero.
+    Nothing here is a fudge factor; a result outside the bound cannot come from the documented algorithm.
+    `accumulation` overrides the accumulator format (used to bound other implementations, e.g. torch's).
+    """
+    out_dtype = grad.dtype if out_dtype is None else out_dtype
+    acc_dtype = accumulation_dtype(out_dtype) if accumulation is None else accumulation
+    d = grad.shape[-1]
+    g64 = grad.detach().to("cpu", torch.float64).reshape(-1, d)
+    idx = indices.detach().to("cpu", torch.int64).reshape(-1)
+    pad = normalise_padding_idx(padding_idx, num_weights)
+
+    ref = torch.ops.aten.embedding_dense_backward(g64, idx, num_weights, pad, scale_grad_by_freq)
+    abs_sum = torch.ops.aten.embedding_dense_backward(g64.abs(), idx, num_weights, pad, scale_grad_by_freq)
+
+    contributing = idx[idx != pad] if pad >= 0 else idx
+    counts = torch.bincount(contributing, minlength=num_weights).to(torch.float64).unsqueeze(1)  # [V, 1]
+
+    u_acc = torch.finfo(acc_dtype).eps / 2
+    acc_err = _gamma(counts, u_acc) * abs_sum
+    ref_err = _gamma(counts + 2, 2.0**-53) * abs_sum
+    bound = acc_err + ref_err
+    if accumulation is not None:
+        # A low-precision accumulator may also underflow: each of the n operations can then lose up to
+        # half the subnormal spacing of that format in absolute terms.
+        fa = torch.finfo(acc_dtype)
+        bound = bound + counts * (fa.smallest_normal * fa.eps / 2)
+    if torch.finfo(out_dtype).bits < torch.finfo(acc_dtype).bits:
+        fi = torch.finfo(out_dtype)
+        half_subnormal_spacing = fi.smallest_normal * fi.eps / 2
+        bound = bound + (fi.eps / 2) * (ref.abs() + bound) + half_subnormal_spacing
+    bound = torch.where(counts > 0, bound, torch.zeros_like(bound))
+    return ref, bound
+
+
+def assert_within_bound(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str = "result") -> None:
+    """|out - ref| <= bound elementwise (out compared in float64), with a readable failure message."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = (out.detach().to("cpu", torch.float64) - ref).abs()
+    bad = ~(err <= bound)  # also catches NaN
+    if bool(bad.any()):
+        where = bad.nonzero()[:5].tolist()
+        details = ", ".join(
+            f"[{r},{c}]: got {float(out[r, c])!r} ref {float(ref[r, c])!r} err {float(err[r, c]):.3g} "
+            f"bound {float(bound[r, c]):.3g}"
+            for r, c in where
+        )
+        raise AssertionError(f"{what}: {int(bad.sum())} element(s) outside the error bound; first: {details}")
+
+
+_BITS_VIEW = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "result") -> None:
+    """Same dtype, shape and bit pattern for every element (so -0.0 != +0.0 and NaN payloads count)."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.detach().cpu().contiguous()
+    e = expected.detach().cpu().contiguous()
+    view = _BITS_VIEW.get(a.dtype)
+    if view is not None:
+        a, e = a.view(view), e.view(view)
+    if not torch.equal(a, e):
+        diff = (a != e).nonzero()[:5].tolist()
+        af, ef = actual.detach().cpu(), expected.detach().cpu()
+        details = ", ".join(f"{tuple(p)}: {af[tuple(p)].item()!r} vs {ef[tuple(p)].item()!r}" for p in diff)
+        raise AssertionError(f"{what}: {int((a != e).sum())} element(s) differ bitwise; first: {details}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Op recording
+# --------------------------------------------------------------------------------------------------------
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher's Python mode while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
