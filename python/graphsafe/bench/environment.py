@@ -40,7 +40,12 @@ def source_tree() -> Path | None:
 
 
 def git_commit(tree: Path | None) -> str:
-    """Short commit of the source tree, with '-dirty' when tracked files differ from it; 'unknown' if unreachable."""
+    """Short commit of the source tree, with '-dirty' when tracked files differ from it; 'unknown' if unreachable.
+
+    GRAPHSAFE_COMMIT overrides it, for copies of the tree without .git (e.g. on a remote benchmark machine).
+    """
+    if os.environ.get("GRAPHSAFE_COMMIT"):
+        return os.environ["GRAPHSAFE_COMMIT"]
     if tree is None:
         return "unknown"
     commit = _git(tree, "rev-parse", "--short", "HEAD")
