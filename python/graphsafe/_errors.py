@@ -2,7 +2,7 @@
 
 A kernel that meets an out-of-range index leaves it out of the result (nothing is written out of bounds,
 also inside a replayed CUDA graph) and records it. Reading the record never synchronises: every graphsafe
-op checks it when called, and `check_errors()` synchronises first so that the answer is final.
+op called on a CUDA tensor checks it, and `check_errors()` synchronises first so that the answer is final.
 """
 
 from __future__ import annotations

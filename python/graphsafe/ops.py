@@ -66,11 +66,12 @@ def embedding_backward(
     scale_grad_by_freq: divide each row's gradient by the number of times it occurs in indices.
     The result has grad's dtype; sums run in fp32 (fp64 for fp64) in an order fixed by the input alone,
     identical on CPU and CUDA. Out-of-range indices raise IndexError on the CPU; on CUDA they are left out
-    of the sum and raise graphsafe.DeviceIndexError at the next graphsafe call or graphsafe.check_errors().
+    of the sum and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
     """
     _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
-    raise_pending_device_error()
     device = grad.device
+    if device.type == "cuda":
+        raise_pending_device_error()
     num_indices, dim = indices.numel(), grad.shape[-1]
     out = torch.empty((num_weights, dim), dtype=grad.dtype, device=device)
     workspace = torch.empty(
@@ -122,13 +123,14 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     """Embedding lookup weight[indices] whose backward is graphsafe's embedding_backward.
 
     Out-of-range indices raise IndexError on the CPU; on CUDA they yield zero rows (nothing is read out of
-    bounds, also in a replayed graph) and raise graphsafe.DeviceIndexError at the next graphsafe call or
+    bounds, also in a replayed graph) and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or
     graphsafe.check_errors(), instead of the device-side assert that stops torch's own kernel.
     """
     _check_embedding_inputs(weight, indices)
     if weight.device.type not in ("cpu", "cuda") or not weight.is_contiguous() or weight.layout != torch.strided:
         return torch.nn.functional.embedding(indices, weight)  # rare layouts: torch's own kernel
-    raise_pending_device_error()
+    if weight.device.type == "cuda":
+        raise_pending_device_error()
     indices = indices.contiguous()
     dim = weight.shape[1]
     out = torch.empty((*indices.shape, dim), dtype=weight.dtype, device=weight.device)
