@@ -7,7 +7,9 @@
 // C++ exceptions become Python exceptions: invalid_argument -> ValueError, out_of_range -> IndexError,
 // runtime_error -> RuntimeError.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -19,6 +21,7 @@
 
 #include "graphsafe/embedding.h"
 #include "graphsafe/errors.h"
+#include "graphsafe/optim.h"
 #include "graphsafe/types.h"
 
 namespace nb = nanobind;
@@ -54,6 +57,40 @@ void on_device(int device_index, Body&& body) {
 }
 
 void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+OptimAlgorithm algorithm_from_name(const std::string& name) {
+  static const std::map<std::string, OptimAlgorithm> names = {
+      {"adam", OptimAlgorithm::Adam},       {"adamw", OptimAlgorithm::AdamW}, {"sgd", OptimAlgorithm::SGD},
+      {"rmsprop", OptimAlgorithm::RMSprop}, {"adagrad", OptimAlgorithm::Adagrad}, {"lion", OptimAlgorithm::Lion},
+      {"lamb", OptimAlgorithm::LAMB},       {"lars", OptimAlgorithm::LARS},   {"ademamix", OptimAlgorithm::AdEMAMix}};
+  const auto it = names.find(name);
+  if (it == names.end()) throw std::invalid_argument("unknown optimizer algorithm '" + name + "'");
+  return it->second;
+}
+
+// Options arrive as a {name: number} map (booleans as 0/1) so Python can name only what it sets.
+OptimOptions optim_options(const std::string& algorithm, const std::map<std::string, double>& values) {
+  OptimOptions o;
+  o.algorithm = algorithm_from_name(algorithm);
+  const std::map<std::string, double*> numbers = {
+      {"beta1", &o.beta1},         {"beta2", &o.beta2},
+      {"beta3", &o.beta3},         {"eps", &o.eps},
+      {"weight_decay", &o.weight_decay}, {"momentum", &o.momentum},
+      {"dampening", &o.dampening}, {"alpha", &o.alpha},
+      {"lr_decay", &o.lr_decay},   {"mix_alpha", &o.mix_alpha},
+      {"alpha_warmup", &o.alpha_warmup}, {"beta3_warmup", &o.beta3_warmup},
+      {"trust_coefficient", &o.trust_coefficient}};
+  const std::map<std::string, bool*> flags = {{"amsgrad", &o.amsgrad},     {"maximize", &o.maximize},
+                                              {"nesterov", &o.nesterov},   {"centered", &o.centered},
+                                              {"bias_correction", &o.bias_correction},
+                                              {"skip_zeros", &o.skip_zeros}};
+  for (const auto& [key, v] : values) {
+    if (auto n = numbers.find(key); n != numbers.end()) *n->second = v;
+    else if (auto f = flags.find(key); f != flags.end()) *f->second = v != 0.0;
+    else throw std::invalid_argument("unknown optimizer option '" + key + "'");
+  }
+  return o;
+}
 
 }  // namespace
 
@@ -127,6 +164,70 @@ NB_MODULE(_C, m) {
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("out"), nb::arg("weight"),
       nb::arg("element_bytes"), nb::arg("indices"), nb::arg("index_dtype"), nb::arg("num_indices"), nb::arg("dim"),
       nb::arg("num_weights"));
+
+  m.def(
+      "optim_state_count",
+      [](const std::string& algorithm, const std::map<std::string, double>& options) {
+        return optim_state_count(optim_options(algorithm, options));
+      },
+      nb::arg("algorithm"), nb::arg("options"));
+
+  m.def(
+      "optim_validate",
+      [](const std::string& algorithm, const std::map<std::string, double>& options) {
+        validate_optim_options(optim_options(algorithm, options));
+      },
+      nb::arg("algorithm"), nb::arg("options"), "Raises ValueError naming the first invalid hyperparameter.");
+
+  m.def(
+      "optim_workspace_bytes",
+      [](const std::string& device_type, const std::string& algorithm, const std::map<std::string, double>& options,
+         const std::vector<int64_t>& numels) {
+        return optim_workspace_bytes(backend_from_name(device_type), optim_options(algorithm, options), numels.data(),
+                                     static_cast<int>(numels.size()));
+      },
+      nb::arg("device_type"), nb::arg("algorithm"), nb::arg("options"), nb::arg("numels"));
+
+  m.def(
+      "optim_step",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, const std::string& algorithm,
+         const std::map<std::string, double>& options, const std::string& param_dtype, std::uintptr_t lr,
+         const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
+         const std::vector<std::vector<std::uintptr_t>>& states, const std::vector<std::uintptr_t>& steps,
+         const std::vector<int64_t>& numels, std::uintptr_t workspace, std::size_t workspace_bytes) {
+        const std::size_t count = params.size();
+        if (grads.size() != count || states.size() != count || steps.size() != count || numels.size() != count)
+          throw std::invalid_argument("optim_step: params, grads, states, steps and numels differ in length");
+        OptimStepArgs args;
+        args.options = optim_options(algorithm, options);
+        args.param_dtype = dtype_from_name(param_dtype);
+        args.lr = static_cast<const float*>(as_pointer(lr));
+        const std::size_t state_count = static_cast<std::size_t>(optim_state_count(args.options));
+        std::vector<OptimTensor> tensors(count);
+        for (std::size_t t = 0; t < count; ++t) {
+          if (states[t].size() != state_count)
+            throw std::invalid_argument("optim_step: tensor " + std::to_string(t) + " has " +
+                                        std::to_string(states[t].size()) + " states, the algorithm keeps " +
+                                        std::to_string(state_count));
+          tensors[t].param = as_pointer(params[t]);
+          tensors[t].grad = as_pointer(grads[t]);
+          for (std::size_t j = 0; j < state_count; ++j) tensors[t].state[j] = static_cast<float*>(as_pointer(states[t][j]));
+          tensors[t].step = static_cast<const float*>(as_pointer(steps[t]));
+          tensors[t].numel = numels[t];
+        }
+        if (backend_from_name(device_type) == Backend::Cpu) {
+          nb::gil_scoped_release release;
+          optim_step_cpu(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes);
+          return;
+        }
+        on_device(device_index, [&] {
+          optim_step_cuda(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes,
+                          reinterpret_cast<StreamHandle>(stream));
+        });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
+      nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"), nb::arg("steps"),
+      nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"));
 
   m.def("take_device_error", &take_device_error, nb::arg("clear") = true,
         "Message of the error a kernel recorded, or '' (reads mapped host memory; never synchronises).");

@@ -6,6 +6,7 @@
 #include "embedding/reduction.h"
 #include "graphsafe/embedding.h"
 #include "graphsafe/errors.h"
+#include "graphsafe/optim.h"
 #include "graphsafe/types.h"
 
 namespace graphsafe {
@@ -18,6 +19,7 @@ bool cuda_backend_available() { return false; }
 DeviceErrorRecord* device_error_record() { no_cuda(); }
 std::string take_device_error(bool) { return {}; }
 std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
+void optim_step_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, StreamHandle) { no_cuda(); }
 void embedding_lookup_cuda(const EmbeddingLookupArgs&, void*, DeviceErrorRecord*, StreamHandle) { no_cuda(); }
 void embedding_backward_dense_cuda(const EmbeddingBackwardArgs&, void*, void*, std::size_t, DeviceErrorRecord*,
                                    StreamHandle) {

@@ -1,0 +1,82 @@
+// Optimizer steps with fp32 states for nine algorithms, on many tensors at once, without host syncs.
+//
+// Every update rule is written once (src/optim/rules.h) and shared by the CPU and CUDA backends. The
+// learning rate and the step counter are read from memory at run time (device memory on CUDA), so a step
+// captured in a CUDA graph follows an LR scheduler that updates that memory between replays. The other
+// hyperparameters are constants of a call (a captured graph keeps the values it was captured with).
+//
+// skip_zeros: where the raw gradient element is exactly zero (-0.0 included; NaN is not zero) the
+// parameter and all its states stay bit-identical: no weight decay, no momentum decay.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "graphsafe/types.h"
+
+namespace graphsafe {
+
+enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix };
+
+// Hyperparameters are doubles, like torch's Python floats: derived constants (1 - beta, lr * weight_decay,
+// bias corrections) are formed in double and rounded to fp32 once, as torch does.
+struct OptimOptions {
+  OptimAlgorithm algorithm = OptimAlgorithm::Adam;
+  double beta1 = 0.9;          // Adam/AdamW/LAMB/AdEMAMix/Lion first beta
+  double beta2 = 0.999;        // second-moment beta (Lion: the momentum-update beta)
+  double beta3 = 0.9999;       // AdEMAMix slow-EMA beta (final value)
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;       // SGD, RMSprop, LARS
+  double dampening = 0.0;      // SGD
+  double alpha = 0.99;         // RMSprop smoothing constant
+  double lr_decay = 0.0;       // Adagrad
+  double mix_alpha = 5.0;      // AdEMAMix alpha (final value)
+  double alpha_warmup = 0.0;   // AdEMAMix T_alpha (0: no warm-up)
+  double beta3_warmup = 0.0;   // AdEMAMix T_beta3 (0: no warm-up)
+  double trust_coefficient = 0.001;  // LARS eta
+  bool amsgrad = false;        // Adam/AdamW
+  bool maximize = false;
+  bool nesterov = false;       // SGD
+  bool centered = false;       // RMSprop
+  bool bias_correction = true; // LAMB
+  bool skip_zeros = false;
+};
+
+// One parameter tensor of a step. `state` holds optim_state_count(options) fp32 buffers of `numel`.
+struct OptimTensor {
+  void* param = nullptr;        // param dtype
+  const void* grad = nullptr;   // same dtype as the parameter
+  float* state[4] = {nullptr, nullptr, nullptr, nullptr};
+  const float* step = nullptr;  // this parameter's step number, 1 on its first step (incremented by the caller)
+  int64_t numel = 0;
+};
+
+struct OptimStepArgs {
+  OptimOptions options;
+  DType param_dtype = DType::Float32;  // Float32, Float16 or BFloat16 (params and grads)
+  const float* lr = nullptr;           // one float: the learning rate
+};
+
+// Number of fp32 state buffers the algorithm keeps per parameter, and their meaning, in order:
+//   Adam/AdamW: exp_avg, exp_avg_sq[, max_exp_avg_sq if amsgrad]   SGD: [momentum_buffer if momentum != 0]
+//   RMSprop: square_avg[, grad_avg if centered][, momentum_buffer if momentum > 0]   Adagrad: sum
+//   Lion: exp_avg   LAMB: exp_avg, exp_avg_sq   LARS: momentum_buffer   AdEMAMix: exp_avg, exp_avg_slow, exp_avg_sq
+int optim_state_count(const OptimOptions& options);
+
+// Throws std::invalid_argument naming the first invalid hyperparameter.
+void validate_optim_options(const OptimOptions& options);
+
+// Scratch bytes for a step over `count` tensors of the given sizes (LAMB and LARS keep per-block norm
+// partials and per-tensor trust ratios there; the others need none). Depends on sizes only.
+std::size_t optim_workspace_bytes(Backend backend, const OptimOptions& options, const int64_t* numels, int count);
+
+void optim_step_cpu(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
+                    std::size_t workspace_bytes);
+
+// Asynchronous on `stream`; all pointers (including lr and step) are device pointers. Tensors are
+// processed in launches of many tensors each.
+void optim_step_cuda(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
+                     std::size_t workspace_bytes, StreamHandle stream);
+
+}  // namespace graphsafe

@@ -1,0 +1,226 @@
+"""The nine optimizers. Adam, AdamW, SGD, RMSprop and Adagrad take the numerical options of their
+torch.optim namesakes and give the same numbers; Lion, LAMB, LARS and AdEMAMix follow their papers
+(docs/optim.md has every formula). All add skip_zeros, state_bits and block_size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._base import GraphsafeOptimizer
+
+__all__ = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix"]
+
+
+def _flag(value: Any) -> float:
+    return 1.0 if value else 0.0
+
+
+def _reject_differentiable(name: str, differentiable: bool) -> None:
+    if differentiable:
+        raise NotImplementedError(f"{name}(differentiable=True) is not supported: graphsafe's step is not differentiable")
+
+
+class Adam(GraphsafeOptimizer):
+    """torch.optim.Adam's numerics (decoupled_weight_decay=True gives AdamW's), capturable, with skip_zeros.
+
+    foreach, fused and capturable are accepted for compatibility; graphsafe's step is always one fused,
+    capturable launch per device and dtype.
+    """
+
+    algorithm = "adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, skip_zeros=False, state_bits=32, block_size=256):
+        _reject_differentiable(type(self).__name__, differentiable)
+        if decoupled_weight_decay:
+            self.algorithm = "adamw"
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        beta1, beta2 = group["betas"]
+        return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW's numerics (decoupled weight decay), capturable, with skip_zeros."""
+
+    algorithm = "adamw"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 skip_zeros=False, state_bits=32, block_size=256):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize, differentiable=differentiable, decoupled_weight_decay=True,
+                         skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+
+class SGD(GraphsafeOptimizer):
+    """torch.optim.SGD's numerics (momentum, dampening, nesterov, weight_decay, maximize), with skip_zeros."""
+
+    algorithm = "sgd"
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None,
+                 skip_zeros=False, state_bits=32, block_size=256):
+        _reject_differentiable(type(self).__name__, differentiable)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        return dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                    weight_decay=float(group["weight_decay"]), nesterov=_flag(group["nesterov"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["momentum_buffer"] if group["momentum"] != 0 else []
+
+
+class RMSprop(GraphsafeOptimizer):
+    """torch.optim.RMSprop's numerics (alpha, centered, momentum, weight_decay, maximize), with skip_zeros."""
+
+    algorithm = "rmsprop"
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                 capturable=False, foreach=None, maximize=False, differentiable=False, *,
+                 skip_zeros=False, state_bits=32, block_size=256):
+        _reject_differentiable(type(self).__name__, differentiable)
+        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                        centered=centered, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        return dict(alpha=float(group["alpha"]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    momentum=float(group["momentum"]), centered=_flag(group["centered"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        names = ["square_avg"]
+        if group["centered"]:
+            names.append("grad_avg")
+        if group["momentum"] > 0:
+            names.append("momentum_buffer")
+        return names
+
+
+class Adagrad(GraphsafeOptimizer):
+    """torch.optim.Adagrad's numerics (lr_decay, initial_accumulator_value, weight_decay, maximize)."""
+
+    algorithm = "adagrad"
+
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                 foreach=None, *, maximize=False, differentiable=False, fused=None,
+                 skip_zeros=False, state_bits=32, block_size=256):
+        _reject_differentiable(type(self).__name__, differentiable)
+        if initial_accumulator_value < 0.0:
+            raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
+        defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+                        initial_accumulator_value=initial_accumulator_value, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        return dict(lr_decay=float(group["lr_decay"]), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), maximize=_flag(group["maximize"]),
+                    skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["sum"]
+
+    def _initial_state_value(self, group, name):
+        return float(group["initial_accumulator_value"])
+
+
+class Lion(GraphsafeOptimizer):
+    """Lion (Chen et al. 2023): p -= lr * (sign(b1*m + (1-b1)*g) + wd*p); m = b2*m + (1-b2)*g."""
+
+    algorithm = "lion"
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
+                 skip_zeros=False, state_bits=32, block_size=256):
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        beta1, beta2 = group["betas"]
+        return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["exp_avg"]
+
+
+class LAMB(GraphsafeOptimizer):
+    """LAMB (You et al. 2019): Adam's direction plus decoupled weight decay, scaled per tensor by
+    ||p|| / ||direction||; the norms are reduced on the device in a fixed order."""
+
+    algorithm = "lamb"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True, *,
+                 maximize=False, skip_zeros=False, state_bits=32, block_size=256):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        beta1, beta2 = group["betas"]
+        return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_sq"]
+
+
+class LARS(GraphsafeOptimizer):
+    """LARS (You et al. 2017): local lr = trust_coefficient * ||w|| / (||g|| + wd*||w|| + eps);
+    v = momentum*v + lr*local_lr*(g + wd*w); w -= v. Norms reduced on the device in a fixed order."""
+
+    algorithm = "lars"
+
+    def __init__(self, params, lr=1e-1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=1e-8, *,
+                 maximize=False, skip_zeros=False, state_bits=32, block_size=256):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                        eps=eps, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        return dict(momentum=float(group["momentum"]), weight_decay=float(group["weight_decay"]),
+                    trust_coefficient=float(group["trust_coefficient"]), eps=float(group["eps"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["momentum_buffer"]
+
+
+class AdEMAMix(GraphsafeOptimizer):
+    """AdEMAMix (Pagliardini et al. 2024): Adam with a second, slow EMA of the gradient mixed in by alpha;
+    alpha and beta3 warm up over t_alpha and t_beta3 steps (None: no warm-up)."""
+
+    algorithm = "ademamix"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None,
+                 eps=1e-8, weight_decay=0.0, *, maximize=False, skip_zeros=False, state_bits=32, block_size=256):
+        if len(tuple(betas)) != 3:
+            raise ValueError(f"AdEMAMix takes three betas (beta1, beta2, beta3), got {betas}")
+        defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                        weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+
+    def _options(self, group):
+        beta1, beta2, beta3 = group["betas"]
+        return dict(beta1=float(beta1), beta2=float(beta2), beta3=float(beta3), mix_alpha=float(group["alpha"]),
+                    alpha_warmup=float(group["t_alpha"] or 0), beta3_warmup=float(group["t_beta3"] or 0),
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+
+    def _state_names(self, group):
+        return ["exp_avg", "exp_avg_slow", "exp_avg_sq"]

@@ -1,0 +1,100 @@
+// Optimizer options: validation, state counts and workspace sizes, shared by both backends.
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "graphsafe/optim.h"
+#include "optim/layout.h"
+#include "optim/rules.h"
+
+namespace graphsafe {
+
+namespace {
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("invalid optimizer hyperparameter: " + what);
+}
+std::string value(double v) { return std::to_string(v); }
+}  // namespace
+
+int optim_state_count(const OptimOptions& o) {
+  switch (o.algorithm) {
+    case OptimAlgorithm::Adam:
+    case OptimAlgorithm::AdamW: return o.amsgrad ? 3 : 2;
+    case OptimAlgorithm::SGD: return o.momentum != 0.0 ? 1 : 0;
+    case OptimAlgorithm::RMSprop: return 1 + (o.centered ? 1 : 0) + (o.momentum > 0.0 ? 1 : 0);
+    case OptimAlgorithm::Adagrad: return 1;
+    case OptimAlgorithm::Lion: return 1;
+    case OptimAlgorithm::LAMB: return 2;
+    case OptimAlgorithm::LARS: return 1;
+    case OptimAlgorithm::AdEMAMix: return 3;
+  }
+  throw std::invalid_argument("unknown optimizer algorithm");
+}
+
+void validate_optim_options(const OptimOptions& o) {
+  auto in_unit = [](double b) { return std::isfinite(b) && b >= 0.0 && b < 1.0; };
+  require(std::isfinite(o.eps) && o.eps >= 0.0, "eps must be >= 0, got " + value(o.eps));
+  require(std::isfinite(o.weight_decay) && o.weight_decay >= 0.0,
+          "weight_decay must be >= 0, got " + value(o.weight_decay));
+  require(std::isfinite(o.momentum) && o.momentum >= 0.0, "momentum must be >= 0, got " + value(o.momentum));
+  switch (o.algorithm) {
+    case OptimAlgorithm::Adam:
+    case OptimAlgorithm::AdamW:
+    case OptimAlgorithm::LAMB:
+    case OptimAlgorithm::Lion:
+      require(in_unit(o.beta1), "betas[0] must be in [0, 1), got " + value(o.beta1));
+      require(in_unit(o.beta2), "betas[1] must be in [0, 1), got " + value(o.beta2));
+      break;
+    case OptimAlgorithm::AdEMAMix:
+      require(in_unit(o.beta1), "betas[0] must be in [0, 1), got " + value(o.beta1));
+      require(in_unit(o.beta2), "betas[1] must be in [0, 1), got " + value(o.beta2));
+      require(in_unit(o.beta3), "betas[2] must be in [0, 1), got " + value(o.beta3));
+      require(std::isfinite(o.mix_alpha) && o.mix_alpha >= 0.0, "alpha must be >= 0, got " + value(o.mix_alpha));
+      require(o.alpha_warmup >= 0.0 && o.beta3_warmup >= 0.0, "warm-up lengths must be >= 0");
+      require(o.beta3_warmup == 0.0 || (o.beta1 > 0.0 && o.beta3 > 0.0),
+              "the beta3 warm-up needs betas[0] > 0 and betas[2] > 0");
+      break;
+    case OptimAlgorithm::SGD:
+      require(!o.nesterov || (o.momentum > 0.0 && o.dampening == 0.0),
+              "nesterov momentum requires a momentum and zero dampening");
+      require(std::isfinite(o.dampening), "dampening must be finite");
+      break;
+    case OptimAlgorithm::RMSprop:
+      require(std::isfinite(o.alpha) && o.alpha >= 0.0, "alpha must be >= 0, got " + value(o.alpha));
+      break;
+    case OptimAlgorithm::Adagrad:
+      require(std::isfinite(o.lr_decay) && o.lr_decay >= 0.0, "lr_decay must be >= 0, got " + value(o.lr_decay));
+      break;
+    case OptimAlgorithm::LARS:
+      require(std::isfinite(o.trust_coefficient) && o.trust_coefficient > 0.0,
+              "trust_coefficient must be > 0, got " + value(o.trust_coefficient));
+      break;
+  }
+}
+
+void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* tensors, int count) {
+  validate_optim_options(a.options);
+  if (a.param_dtype != DType::Float32 && a.param_dtype != DType::Float16 && a.param_dtype != DType::BFloat16)
+    throw std::invalid_argument(std::string("optimizer parameters must be float32, float16 or bfloat16, got ") +
+                                dtype_name(a.param_dtype));
+  if (a.lr == nullptr) throw std::invalid_argument("optimizer step: lr pointer is null");
+  const int states = optim_state_count(a.options);
+  for (int t = 0; t < count; ++t) {
+    const OptimTensor& x = tensors[t];
+    if (x.numel < 0) throw std::invalid_argument("optimizer step: negative numel");
+    if (x.step == nullptr) throw std::invalid_argument("optimizer step: step pointer is null");
+    if (x.numel > 0 && (x.param == nullptr || x.grad == nullptr))
+      throw std::invalid_argument("optimizer step: null param or grad pointer");
+    for (int j = 0; j < states; ++j)
+      if (x.numel > 0 && x.state[j] == nullptr)
+        throw std::invalid_argument("optimizer step: state " + std::to_string(j) + " of tensor " + std::to_string(t) +
+                                    " is null");
+  }
+}
+
+std::size_t optim_workspace_bytes(Backend, const OptimOptions& o, const int64_t* numels, int count) {
+  if (!optim_detail::is_layerwise(o.algorithm)) return 0;
+  return optim_detail::layerwise_layout(numels, count).bytes;
+}
+
+}  // namespace graphsafe

@@ -1,0 +1,120 @@
+// CPU backend of the optimizer step: the shared rules in a loop, parallel over elements with OpenMP.
+// Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "graphsafe/optim.h"
+#include "optim/layout.h"
+#include "optim/rules.h"
+
+namespace graphsafe {
+namespace {
+
+using namespace optim_detail;
+
+template <class T>
+struct ElementView {
+  const OptimTensor& t;
+  int states;
+  float grad(int64_t i) const { return ElementTraits<T>::load(static_cast<const T*>(t.grad)[i]); }
+  float param(int64_t i) const { return ElementTraits<T>::load(static_cast<T*>(t.param)[i]); }
+  void load_states(int64_t i, float* s) const {
+    for (int j = 0; j < states; ++j) s[j] = t.state[j][i];
+  }
+  void store(int64_t i, float p, const float* s) const {
+    static_cast<T*>(t.param)[i] = ElementTraits<T>::store(p);
+    for (int j = 0; j < states; ++j) t.state[j][i] = s[j];
+  }
+};
+
+template <class T>
+void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < e.t.numel; ++i) {
+    const float g = e.grad(i);
+    if (skipped(o, g)) continue;
+    float p = e.param(i), s[4];
+    e.load_states(i, s);
+    elementwise_step(o, k, g, p, s);
+    e.store(i, p, s);
+  }
+}
+
+template <class T>
+void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e, float* chunk_norms,
+               float* factor) {
+  const int64_t chunks = chunk_count(e.t.numel);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    SquaredNorms sum{0.0f, 0.0f};
+    const int64_t end = std::min(e.t.numel, (c + 1) * kChunkElements);
+    for (int64_t i = c * kChunkElements; i < end; ++i) {
+      float s[4];
+      e.load_states(i, s);
+      const SquaredNorms n = layerwise_measure(o, k, e.grad(i), e.param(i), s);
+      for (int j = 0; j < e.states; ++j) e.t.state[j][i] = s[j];  // LAMB's moments
+      sum.param += n.param;
+      sum.update += n.update;
+    }
+    chunk_norms[2 * c] = sum.param;
+    chunk_norms[2 * c + 1] = sum.update;
+  }
+  SquaredNorms total{0.0f, 0.0f};
+  for (int64_t c = 0; c < chunks; ++c) {
+    total.param += chunk_norms[2 * c];
+    total.update += chunk_norms[2 * c + 1];
+  }
+  *factor = layerwise_factor(o, k, total);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < e.t.numel; ++i) {
+    const float g = e.grad(i);
+    if (skipped(o, g)) continue;
+    float p = e.param(i), s[4];
+    e.load_states(i, s);
+    layerwise_apply(o, k, *factor, g, p, s);
+    e.store(i, p, s);
+  }
+}
+
+template <class T>
+void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, std::size_t factors_offset) {
+  const OptimOptions& o = a.options;
+  const int states = optim_state_count(o);
+  const float lr = *a.lr;
+  int64_t chunk_base = 0;
+  for (int t = 0; t < count; ++t) {
+    const ElementView<T> e{tensors[t], states};
+    const Coefficients k = coefficients(o, lr, *tensors[t].step);
+    if (is_layerwise(o.algorithm)) {
+      layerwise(o, k, e, workspace + 2 * chunk_base, workspace + factors_offset + t);
+      chunk_base += chunk_count(tensors[t].numel);
+    } else {
+      elementwise(o, k, e);
+    }
+  }
+}
+
+}  // namespace
+
+void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
+                    std::size_t workspace_bytes) {
+  check_step_args(a, tensors, count);
+  std::vector<int64_t> numels(count);
+  for (int t = 0; t < count; ++t) numels[t] = tensors[t].numel;
+  const std::size_t needed = optim_workspace_bytes(Backend::Cpu, a.options, numels.data(), count);
+  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
+    throw std::invalid_argument("optimizer step: workspace of " + std::to_string(workspace_bytes) +
+                                " bytes is smaller than the " + std::to_string(needed) + " required");
+  auto* ws = static_cast<float*>(workspace);
+  const std::size_t factors = layerwise_layout(numels.data(), count).factors_offset;
+  switch (a.param_dtype) {
+    case DType::Float32: run<float>(a, tensors, count, ws, factors); break;
+    case DType::Float16: run<f16_t>(a, tensors, count, ws, factors); break;
+    case DType::BFloat16: run<bf16_t>(a, tensors, count, ws, factors); break;
+    default: break;
+  }
+}
+
+}  // namespace graphsafe

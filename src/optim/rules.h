@@ -1,0 +1,250 @@
+// The update rules, written once for both backends (include/graphsafe/optim.h describes the contract).
+//
+// Each rule works on one element: the raw gradient g, the parameter p and the fp32 states s[], as floats.
+// The CPU backend loops over elements; the CUDA backend calls the same functions from its kernels.
+// Formulas follow torch.optim where torch has the algorithm (same operations in the same order, and the
+// same fp32 constants: torch forms 1 - beta, lr / bias_correction, ... in double and rounds once; so does
+// `coefficients`), and the papers otherwise. docs/optim.md writes them out.
+#pragma once
+
+#include <cmath>
+
+#include "common/numeric.h"
+#include "graphsafe/optim.h"
+
+namespace graphsafe::optim_detail {
+
+#if defined(__CUDA_ARCH__)
+GS_HD float sqrt_f(float x) { return sqrtf(x); }
+GS_HD double pow_d(double x, double y) { return pow(x, y); }
+GS_HD double exp_d(double x) { return exp(x); }
+GS_HD double log_d(double x) { return log(x); }
+GS_HD double sqrt_d(double x) { return sqrt(x); }
+#else
+GS_HD float sqrt_f(float x) { return std::sqrt(x); }
+GS_HD double pow_d(double x, double y) { return std::pow(x, y); }
+GS_HD double exp_d(double x) { return std::exp(x); }
+GS_HD double log_d(double x) { return std::log(x); }
+GS_HD double sqrt_d(double x) { return std::sqrt(x); }
+#endif
+
+GS_HD float max_f(float a, float b) { return (a != a || a > b) ? a : b; }  // NaN propagates, as torch.maximum
+GS_HD double min_d(double a, double b) { return a < b ? a : b; }
+GS_HD float sign_f(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
+
+// torch.lerp's formula (two forms, for accuracy near either end).
+GS_HD float lerp(float self, float end, float weight) {
+  return weight < 0.5f ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
+}
+
+// skip_zeros tests the raw gradient element: +0.0 and -0.0 are skipped, NaN is not.
+GS_HD bool skipped(const OptimOptions& o, float raw_grad) { return o.skip_zeros && raw_grad == 0.0f; }
+
+// The fp32 constants of one parameter's step, formed in double from the options, lr and its step number.
+struct Coefficients {
+  float lr, step;
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float eps, weight_decay, momentum, one_minus_dampening, alpha, one_minus_alpha, trust_coefficient;
+  float decay_factor;           // 1 - lr * weight_decay (decoupled decay)
+  float neg_step_size;          // -lr / (1 - beta1^step)
+  float bias_correction1;       // 1 - beta1^step
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float neg_adagrad_lr;         // -lr / (1 + (step - 1) * lr_decay)
+  float mix_alpha;              // AdEMAMix alpha after warm-up
+  float beta3, one_minus_beta3; // AdEMAMix beta3 after warm-up
+};
+
+GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float step_value) {
+  const double lr = lr_value, step = step_value;
+  Coefficients k{};
+  k.lr = lr_value;
+  k.step = step_value;
+  k.beta1 = static_cast<float>(o.beta1);
+  k.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
+  k.beta2 = static_cast<float>(o.beta2);
+  k.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+  k.eps = static_cast<float>(o.eps);
+  k.weight_decay = static_cast<float>(o.weight_decay);
+  k.momentum = static_cast<float>(o.momentum);
+  k.one_minus_dampening = static_cast<float>(1.0 - o.dampening);
+  k.alpha = static_cast<float>(o.alpha);
+  k.one_minus_alpha = static_cast<float>(1.0 - o.alpha);
+  k.trust_coefficient = static_cast<float>(o.trust_coefficient);
+  k.decay_factor = static_cast<float>(1.0 - lr * o.weight_decay);
+  const bool corrected = o.algorithm != OptimAlgorithm::LAMB || o.bias_correction;
+  const double bc1 = corrected ? 1.0 - pow_d(o.beta1, step) : 1.0;
+  const double bc2 = corrected ? 1.0 - pow_d(o.beta2, step) : 1.0;
+  k.bias_correction1 = static_cast<float>(bc1);
+  k.bias_correction2_sqrt = static_cast<float>(sqrt_d(bc2));
+  k.neg_step_size = static_cast<float>(-(lr / bc1));
+  k.neg_adagrad_lr = static_cast<float>(-(lr / (1.0 + (step - 1.0) * o.lr_decay)));
+  // AdEMAMix (Pagliardini et al. 2024, Algorithm 1): alpha rises linearly over T_alpha steps; beta3 rises
+  // from beta1 so that the slow EMA's half-life grows linearly over T_beta3 steps.
+  k.mix_alpha = static_cast<float>(o.alpha_warmup > 0.0 ? min_d(step * o.mix_alpha / o.alpha_warmup, o.mix_alpha)
+                                                         : o.mix_alpha);
+  double beta3 = o.beta3;
+  if (o.beta3_warmup > 0.0) {
+    const double t = min_d(step / o.beta3_warmup, 1.0);
+    const double log_start = log_d(o.beta1), log_end = log_d(o.beta3);
+    beta3 = min_d(exp_d(log_start * log_end / ((1.0 - t) * log_end + t * log_start)), o.beta3);
+  }
+  k.beta3 = static_cast<float>(beta3);
+  k.one_minus_beta3 = static_cast<float>(1.0 - beta3);
+  return k;
+}
+
+// ---- Element-wise rules (all but LAMB and LARS). s[] holds optim_state_count() states. ----
+
+GS_HD void adam(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s, bool decoupled) {
+  if (o.maximize) g = -g;
+  if (o.weight_decay != 0.0) {
+    if (decoupled) p = p * k.decay_factor;
+    else g = g + k.weight_decay * p;
+  }
+  const float m = lerp(s[0], g, k.one_minus_beta1);
+  const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
+  float v_used = v;
+  if (o.amsgrad) {
+    s[2] = max_f(s[2], v);
+    v_used = s[2];
+  }
+  const float denom = sqrt_f(v_used) / k.bias_correction2_sqrt + k.eps;
+  p = p + k.neg_step_size * (m / denom);
+  s[0] = m;
+  s[1] = v;
+}
+
+GS_HD void sgd(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (o.maximize) g = -g;
+  if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
+  if (o.momentum != 0.0) {
+    // torch starts the buffer as a copy of the parameter's first gradient.
+    const float buf = k.step == 1.0f ? g : s[0] * k.momentum + k.one_minus_dampening * g;
+    s[0] = buf;
+    g = o.nesterov ? g + k.momentum * buf : buf;
+  }
+  p = p + (-k.lr) * g;
+}
+
+GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (o.maximize) g = -g;
+  if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
+  const float square_avg = s[0] * k.alpha + k.one_minus_alpha * (g * g);
+  s[0] = square_avg;
+  float avg;
+  int next = 1;
+  if (o.centered) {
+    const float grad_avg = lerp(s[1], g, k.one_minus_alpha);
+    s[1] = grad_avg;
+    avg = sqrt_f(square_avg + (-1.0f) * (grad_avg * grad_avg)) + k.eps;
+    next = 2;
+  } else {
+    avg = sqrt_f(square_avg) + k.eps;
+  }
+  if (o.momentum > 0.0) {
+    const float buf = s[next] * k.momentum + g / avg;
+    s[next] = buf;
+    p = p + (-k.lr) * buf;
+  } else {
+    p = p + (-k.lr) * (g / avg);
+  }
+}
+
+GS_HD void adagrad(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (o.maximize) g = -g;
+  if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
+  const float sum = s[0] + g * g;
+  s[0] = sum;
+  p = p + k.neg_adagrad_lr * (g / (sqrt_f(sum) + k.eps));
+}
+
+// Lion (Chen et al. 2023, Algorithm 2): the sign of an interpolation, decoupled weight decay.
+GS_HD void lion(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (o.maximize) g = -g;
+  const float m = s[0];
+  const float c = k.beta1 * m + k.one_minus_beta1 * g;
+  p = p * k.decay_factor;
+  p = p - k.lr * sign_f(c);
+  s[0] = k.beta2 * m + k.one_minus_beta2 * g;
+}
+
+// AdEMAMix (Pagliardini et al. 2024, Algorithm 1): a fast and a slow EMA of the gradient, mixed by alpha.
+GS_HD void ademamix(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (o.maximize) g = -g;
+  const float m1 = k.beta1 * s[0] + k.one_minus_beta1 * g;
+  const float m2 = k.beta3 * s[1] + k.one_minus_beta3 * g;
+  const float v = k.beta2 * s[2] + k.one_minus_beta2 * (g * g);
+  const float update = (m1 / k.bias_correction1 + k.mix_alpha * m2) / (sqrt_f(v) / k.bias_correction2_sqrt + k.eps);
+  p = p - k.lr * (update + k.weight_decay * p);
+  s[0] = m1;
+  s[1] = m2;
+  s[2] = v;
+}
+
+// One element of any element-wise algorithm; skipped elements are left untouched.
+GS_HD void elementwise_step(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (skipped(o, g)) return;
+  switch (o.algorithm) {
+    case OptimAlgorithm::Adam: adam(o, k, g, p, s, false); break;
+    case OptimAlgorithm::AdamW: adam(o, k, g, p, s, true); break;
+    case OptimAlgorithm::SGD: sgd(o, k, g, p, s); break;
+    case OptimAlgorithm::RMSprop: rmsprop(o, k, g, p, s); break;
+    case OptimAlgorithm::Adagrad: adagrad(o, k, g, p, s); break;
+    case OptimAlgorithm::Lion: lion(o, k, g, p, s); break;
+    case OptimAlgorithm::AdEMAMix: ademamix(o, k, g, p, s); break;
+    default: break;  // LAMB and LARS use the layer-wise rules below
+  }
+}
+
+GS_HD bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
+
+// ---- Layer-wise rules: pass 1 gathers squared norms per tensor, pass 2 applies the update. ----
+
+struct SquaredNorms {
+  float param;   // sum of p^2 over the tensor
+  float update;  // LAMB: sum of u^2 over non-skipped elements; LARS: sum of g^2 over non-skipped elements
+};
+
+GS_HD float lamb_direction(const Coefficients& k, float m, float v, float p) {
+  return (m / k.bias_correction1) / (sqrt_f(v) / k.bias_correction2_sqrt + k.eps) + k.weight_decay * p;
+}
+
+// Pass 1 for one element: LAMB (You et al. 2019, Algorithm 2) updates the moments and measures the update
+// direction u, which includes the decoupled weight decay; LARS (You et al. 2017) measures the gradient.
+// A skipped element adds only its parameter to the norms.
+GS_HD SquaredNorms layerwise_measure(const OptimOptions& o, const Coefficients& k, float g, float p, float* s) {
+  if (skipped(o, g)) return {p * p, 0.0f};
+  if (o.maximize) g = -g;
+  if (o.algorithm == OptimAlgorithm::LARS) return {p * p, g * g};
+  const float m = k.beta1 * s[0] + k.one_minus_beta1 * g;
+  const float v = k.beta2 * s[1] + k.one_minus_beta2 * (g * g);
+  s[0] = m;
+  s[1] = v;
+  const float u = lamb_direction(k, m, v, p);
+  return {p * p, u * u};
+}
+
+// The per-tensor factor of pass 2: LAMB's trust ratio ||p|| / ||u||, LARS's local learning rate
+// eta * ||w|| / (||g|| + wd * ||w|| + eps); 1 when a norm is zero.
+GS_HD float layerwise_factor(const OptimOptions& o, const Coefficients& k, SquaredNorms n) {
+  const float param_norm = sqrt_f(n.param), other_norm = sqrt_f(n.update);
+  if (!(param_norm > 0.0f && other_norm > 0.0f)) return 1.0f;
+  if (o.algorithm == OptimAlgorithm::LAMB) return param_norm / other_norm;
+  return k.trust_coefficient * param_norm / (other_norm + k.weight_decay * param_norm + k.eps);
+}
+
+// Pass 2 for one element. LAMB: p -= lr * ratio * u (u from the moments pass 1 stored).
+// LARS: v = momentum * v + lr * local_lr * (g + wd * p); p -= v.
+GS_HD void layerwise_apply(const OptimOptions& o, const Coefficients& k, float factor, float g, float& p, float* s) {
+  if (skipped(o, g)) return;
+  if (o.algorithm == OptimAlgorithm::LAMB) {
+    p = p - k.lr * factor * lamb_direction(k, s[0], s[1], p);
+    return;
+  }
+  if (o.maximize) g = -g;
+  const float v = k.momentum * s[0] + k.lr * factor * (g + k.weight_decay * p);
+  s[0] = v;
+  p = p - v;
+}
+
+}  // namespace graphsafe::optim_detail
