@@ -11,14 +11,14 @@ install:
 	$(PYTHON) -m pip install -q -r requirements-dev.txt
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps .
 
-test: install test-cpp test-python
+test: test-cpp test-python
 
 test-cpp:
 	cmake -S . -B $(CPP_BUILD) $(GENERATOR) -DGRAPHSAFE_BUILD_TESTS=ON $(CMAKE_ARGS)
 	cmake --build $(CPP_BUILD)
 	ctest --test-dir $(CPP_BUILD) --output-on-failure
 
-test-python:
+test-python: install
 	$(PYTHON) -m pytest -q tests/python
 
 demo: install

@@ -24,10 +24,11 @@ def raise_pending_device_error() -> None:
 
 
 def check_errors(device: torch.device | int | None = None) -> None:
-    """Synchronise `device` (default: the current CUDA device) and raise any error its kernels recorded.
+    """Synchronise `device` (default: the current CUDA device) and raise any error graphsafe kernels recorded.
 
     Call it outside graph capture, e.g. after a replay or at the end of a training step; it is a no-op
-    when CUDA is not in use.
+    when CUDA is not in use. The record is shared by all GPUs of the process: with several in use,
+    synchronise each of them before the answer is final for all.
     """
     if _C.cuda_available() and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)

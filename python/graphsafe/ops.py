@@ -12,6 +12,7 @@ __all__ = ["embedding_backward", "embedding"]
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -51,6 +52,11 @@ def _check_embedding_backward_inputs(grad: Tensor, indices: Tensor, num_weights:
         raise ValueError(f"{name}: grad and indices must be contiguous (call .contiguous() first)")
     if num_weights < 0:
         raise ValueError(f"{name}: num_weights must be >= 0, got {num_weights}")
+    # Keys and positions are 32-bit in the core; checked here so nothing is allocated for a call that fails.
+    if num_weights >= _INT32_MAX:
+        raise ValueError(f"{name}: num_weights must be < 2^31 - 1, got {num_weights}")
+    if indices.numel() >= _INT32_MAX:
+        raise ValueError(f"{name}: at most 2^31 - 2 indices per call, got {indices.numel()}")
     _normalise_padding_idx(padding_idx, num_weights)
 
 
@@ -75,7 +81,9 @@ def embedding_backward(
     num_indices, dim = indices.numel(), grad.shape[-1]
     out = torch.empty((num_weights, dim), dtype=grad.dtype, device=device)
     workspace = torch.empty(
-        _C.embedding_backward_workspace_bytes(device.type, _dtype_name(grad.dtype), num_indices, dim, num_weights),
+        _C.embedding_backward_workspace_bytes(
+            device.type, device.index or 0, _dtype_name(grad.dtype), num_indices, dim, num_weights
+        ),
         dtype=torch.uint8,
         device=device,
     )
@@ -124,9 +132,11 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
 
     Out-of-range indices raise IndexError on the CPU; on CUDA they yield zero rows (nothing is read out of
     bounds, also in a replayed graph) and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or
-    graphsafe.check_errors(), instead of the device-side assert that stops torch's own kernel.
+    graphsafe.check_errors(), instead of the device-side assert that stops torch's own kernel. (A
+    non-contiguous weight goes through torch's F.embedding, and so through that assert.)
     """
     _check_embedding_inputs(weight, indices)
+    _normalise_padding_idx(padding_idx, weight.shape[0])
     if weight.device.type not in ("cpu", "cuda") or not weight.is_contiguous() or weight.layout != torch.strided:
         return torch.nn.functional.embedding(indices, weight)  # rare layouts: torch's own kernel
     if weight.device.type == "cuda":

@@ -101,12 +101,19 @@ NB_MODULE(_C, m) {
 
   m.def(
       "embedding_backward_workspace_bytes",
-      [](const std::string& device_type, const std::string& grad_dtype, int64_t num_indices, int64_t dim,
-         int64_t num_weights) {
-        return embedding_backward_workspace_bytes(backend_from_name(device_type), dtype_from_name(grad_dtype),
-                                                  num_indices, dim, num_weights);
+      [](const std::string& device_type, int device_index, const std::string& grad_dtype, int64_t num_indices,
+         int64_t dim, int64_t num_weights) {
+        const Backend backend = backend_from_name(device_type);
+        std::size_t bytes = 0;
+        // The sort's scratch depends on the GPU it runs on: ask on the tensor's device.
+        auto query = [&] {
+          bytes = embedding_backward_workspace_bytes(backend, dtype_from_name(grad_dtype), num_indices, dim, num_weights);
+        };
+        if (backend == Backend::Cpu) query(); else on_device(device_index, query);
+        return bytes;
       },
-      nb::arg("device_type"), nb::arg("grad_dtype"), nb::arg("num_indices"), nb::arg("dim"), nb::arg("num_weights"));
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("grad_dtype"), nb::arg("num_indices"), nb::arg("dim"),
+      nb::arg("num_weights"));
 
   m.def(
       "embedding_backward_dense",

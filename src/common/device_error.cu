@@ -19,11 +19,17 @@ void ensure_record() {
   std::lock_guard<std::mutex> lock(record_mutex);
   if (host_record) return;
   void* host = nullptr;
+  void* device = nullptr;
+  // The first graphsafe CUDA call may come while a CUDA graph is being captured (global capture mode
+  // forbids allocations); relaxed mode lets this one-time host allocation through.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  GS_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
   // Portable: valid from every device; mapped: kernels write it directly, so the host can read it
   // without a device-to-host copy (and without a synchronisation).
-  GS_CUDA_CHECK(cudaHostAlloc(&host, sizeof(DeviceErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-  void* device = nullptr;
-  GS_CUDA_CHECK(cudaHostGetDevicePointer(&device, host, 0));
+  cudaError_t status = cudaHostAlloc(&host, sizeof(DeviceErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable);
+  if (status == cudaSuccess) status = cudaHostGetDevicePointer(&device, host, 0);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  GS_CUDA_CHECK(status);
   host_record = static_cast<DeviceErrorRecord*>(host);
   *host_record = DeviceErrorRecord{0, 0, 0};
   device_view = static_cast<DeviceErrorRecord*>(device);
@@ -38,7 +44,10 @@ DeviceErrorRecord* device_error_record() {
 std::string take_device_error(bool clear) {
   if (!host_record) return {};
   volatile DeviceErrorRecord* record = host_record;
-  const auto code = static_cast<DeviceErrorCode>(record->code);
+  // Taking the code atomically: an error a kernel records between our read and our reset is not lost.
+  const auto code = static_cast<DeviceErrorCode>(
+      clear ? __atomic_exchange_n(&host_record->code, int64_t{0}, __ATOMIC_ACQ_REL)
+            : __atomic_load_n(&host_record->code, __ATOMIC_ACQUIRE));
   if (code == DeviceErrorCode::None) return {};
   std::string message;
   if (code == DeviceErrorCode::IndexOutOfRange)
@@ -47,7 +56,6 @@ std::string take_device_error(bool clear) {
               " rows (found on the GPU and left out: a lookup gave a zero row, a gradient skipped it)";
   else
     message = "graphsafe device error code " + std::to_string(static_cast<int64_t>(code));
-  if (clear) record->code = 0;
   return message;
 }
 

@@ -88,25 +88,40 @@ GS_HD bf16_t to_bf16(float f) {
 
 // Accumulator type and conversions for each storage type: fp32 for the 16- and 32-bit types, fp64 for fp64.
 template <class T> struct ElementTraits;
+// canonical_nan(): the one NaN encoding results are normalised to, so that backends whose arithmetic
+// produces different NaN payloads (x86 vs CUDA) still agree bit for bit.
 template <> struct ElementTraits<float> {
   using Acc = float;
   static GS_HD float load(float v) { return v; }
   static GS_HD float store(float v) { return v; }
+  static GS_HD float canonical_nan() { return bits_float(0x7fc00000u); }
 };
 template <> struct ElementTraits<double> {
   using Acc = double;
   static GS_HD double load(double v) { return v; }
   static GS_HD double store(double v) { return v; }
+  static GS_HD double canonical_nan() {
+#if defined(__CUDA_ARCH__)
+    return __longlong_as_double(0x7ff8000000000000ll);
+#else
+    const uint64_t u = 0x7ff8000000000000ull;
+    double d;
+    std::memcpy(&d, &u, 8);
+    return d;
+#endif
+  }
 };
 template <> struct ElementTraits<f16_t> {
   using Acc = float;
   static GS_HD float load(f16_t v) { return to_float(v); }
   static GS_HD f16_t store(float v) { return to_f16(v); }
+  static GS_HD f16_t canonical_nan() { return f16_t{0x7e00}; }
 };
 template <> struct ElementTraits<bf16_t> {
   using Acc = float;
   static GS_HD float load(bf16_t v) { return to_float(v); }
   static GS_HD bf16_t store(float v) { return to_bf16(v); }
+  static GS_HD bf16_t canonical_nan() { return bf16_t{0x7fc0}; }
 };
 
 }  // namespace graphsafe

@@ -36,23 +36,19 @@ int64_t validate_embedding_backward_args(const EmbeddingBackwardArgs& a) {
 
 std::size_t embedding_backward_workspace_bytes(Backend backend, DType grad_dtype, int64_t num_indices,
                                                int64_t dim, int64_t num_weights) {
-  if (num_indices < 0 || dim < 0) throw std::invalid_argument("embedding_backward_workspace_bytes: negative shape");
-  const auto n = static_cast<std::size_t>(num_indices);
-  if (backend == Backend::Cpu) {
-    // Packed (row << 32 | position) sort records, then the start of every row's run.
-    return embedding_detail::round_up_256(n * sizeof(uint64_t)) + embedding_detail::round_up_256((n + 1) * sizeof(int64_t));
-  }
+  EmbeddingBackwardArgs shape;  // the limits of validate_embedding_backward_args, before any size is computed
+  shape.grad_dtype = grad_dtype;
+  shape.num_indices = num_indices;
+  shape.dim = dim;
+  shape.num_weights = num_weights;
+  shape.grad = shape.indices = &shape;  // shapes only: pointers are checked by the call itself
+  validate_embedding_backward_args(shape);
+  if (backend == Backend::Cpu) return embedding_detail::cpu_workspace_layout(num_indices).total;
   if (!cuda_backend_available()) throw std::runtime_error("graphsafe was built without its CUDA backend");
   const std::size_t acc_bytes = grad_dtype == DType::Float64 ? 8 : 4;
-  const std::size_t row_bytes = static_cast<std::size_t>(dim) * acc_bytes;
-  using namespace embedding_detail;
-  // Keys and positions before and after the sort, the sort's scratch, one "row occurs" flag per row
-  // (so only untouched rows are zero-filled), per-tile piece records, and per-tile and per-group partial sums.
-  return 4 * round_up_256(n * sizeof(uint32_t)) + round_up_256(embedding_backward_cuda_sort_bytes(num_indices, num_weights)) +
-         round_up_256(static_cast<std::size_t>(num_weights)) +
-         round_up_256(static_cast<std::size_t>(tile_count(num_indices)) * 8) +  // per-tile piece records (uint2)
-         round_up_256(2 * static_cast<std::size_t>(tile_count(num_indices)) * row_bytes) +
-         round_up_256(2 * static_cast<std::size_t>(tile_group_count(num_indices)) * row_bytes);
+  return embedding_detail::cuda_workspace_layout(num_indices, dim, num_weights, acc_bytes,
+                                                 embedding_backward_cuda_sort_bytes(num_indices, num_weights))
+      .total;
 }
 
 DType dtype_from_name(const std::string& name) {

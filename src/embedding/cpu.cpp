@@ -128,9 +128,9 @@ void embedding_backward_dense_cpu(const EmbeddingBackwardArgs& a, void* out, voi
     throw std::invalid_argument("embedding_backward: workspace of " + std::to_string(workspace_bytes) +
                                 " bytes is smaller than the " + std::to_string(needed) + " required");
   if (a.num_weights * a.dim > 0 && out == nullptr) throw std::invalid_argument("embedding_backward: null output");
+  const auto layout = embedding_detail::cpu_workspace_layout(a.num_indices);
   auto* sorted = static_cast<uint64_t*>(workspace);
-  auto* row_starts = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) +
-                                                embedding_detail::round_up_256(static_cast<std::size_t>(a.num_indices) * 8));
+  auto* row_starts = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) + layout.row_starts);
   switch (a.grad_dtype) {
     case DType::Float32: dispatch_index<float>(a, padding_idx, out, sorted, row_starts); break;
     case DType::Float64: dispatch_index<double>(a, padding_idx, out, sorted, row_starts); break;

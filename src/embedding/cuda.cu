@@ -27,7 +27,6 @@ using embedding_detail::finish_element;
 using embedding_detail::piece_slot;
 using embedding_detail::tile_count;
 using embedding_detail::tile_group_count;
-using embedding_detail::round_up_256;
 using embedding_detail::sort_key;
 
 constexpr int kThreads = 256;
@@ -158,15 +157,18 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t begin = tile * kTile;
   if (begin >= n) return;
-  const int64_t end = min(begin + kTile, n);
+  const int64_t tile_end = min(begin + kTile, n);
   if (threadIdx.x % group == 0) {
     // The rows of this tile's partial slots (sentinel: slot unused), for reduce_tile_groups.
-    const uint32_t first = keys[begin], last = keys[end - 1];
+    const uint32_t first = keys[begin], last = keys[tile_end - 1];
     const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
-    const bool last_goes_on = last != sentinel && key_at(keys, n, end, last);
+    const bool last_goes_on = last != sentinel && key_at(keys, n, tile_end, last);
     tile_pieces[tile] = make_uint2(first_began_earlier ? first : sentinel,
                                    last_goes_on && !(first == last && first_began_earlier) ? last : sentinel);
   }
+  // Sentinels (padding, out-of-range) sort last: their gradient rows are never read.
+  if (keys[begin] == sentinel) return;
+  const int64_t end = keys[tile_end - 1] == sentinel ? lower_bound(keys, begin, tile_end, sentinel) : tile_end;
   for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc acc[VEC];
 #pragma unroll
@@ -183,12 +185,11 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t j = batch_start + b;
         if (j >= end) break;
         const uint32_t key = keys[j];
-        if (key == sentinel) break;  // sentinels sort last: nothing more to sum in this tile
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
         if (j + 1 < end && keys[j + 1] == key) continue;  // the run goes on inside this tile
         const bool began_earlier = run_start == begin && key_at(keys, n, begin - 1, key);
-        const bool goes_on = key_at(keys, n, end, key);
+        const bool goes_on = key_at(keys, n, tile_end, key);
         if (!began_earlier && !goes_on)
           store_row_vector<T, VEC>(out, key, dim, v, acc, j + 1 - run_start, scale_grad_by_freq);
         else
@@ -279,19 +280,28 @@ __global__ void __launch_bounds__(kThreads)
   if (row == sentinel || !key_at(keys, n, group_end, row)) return;                // does not go on
   if (keys[group_begin] == row && key_at(keys, n, group_begin - 1, row)) return;  // began earlier
   const int64_t row_begin = lower_bound(keys, group_begin, group_end, row);
+  const int64_t row_end = upper_bound(keys, group_end, n, row);
+  const int64_t last_group = (row_end - 1) / kGroupSpan;
+  const int64_t count = row_end - row_begin;
+  constexpr int kGroupsAhead = 4;  // group pieces loaded before they are added, in order
   for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc total[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) total[k] = Acc(0);
     add_partial<Acc, VEC>(total, group_partials, piece_slot(tile_group, false), dim, v);
-    int64_t u = tile_group + 1;
-    for (;; ++u) {
-      add_partial<Acc, VEC>(total, group_partials, piece_slot(u, true), dim, v);
-      const int64_t u_end = min((u + 1) * kGroupSpan, n);
-      if (!key_at(keys, n, u_end, row)) break;
+    for (int64_t ahead = tile_group + 1; ahead <= last_group; ahead += kGroupsAhead) {
+      Pack<Acc, VEC> pieces[kGroupsAhead];
+#pragma unroll
+      for (int b = 0; b < kGroupsAhead; ++b)
+        if (ahead + b <= last_group)
+          pieces[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(group_partials + piece_slot(ahead + b, true) * dim + v * VEC);
+#pragma unroll
+      for (int b = 0; b < kGroupsAhead; ++b)
+        if (ahead + b <= last_group) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) total[k] += pieces[b].v[k];
+        }
     }
-    const int64_t u_begin = u * kGroupSpan, u_end = min(u_begin + kGroupSpan, n);
-    const int64_t count = upper_bound(keys, u_begin, u_end, row) - row_begin;
     store_row_vector<T, VEC>(out, row, dim, v, total, count, scale_grad_by_freq);
   }
 }
@@ -309,26 +319,13 @@ struct Workspace {
   void* group_partials;
 };
 
-// Carves the workspace in the order embedding_backward_workspace_bytes adds it up.
-Workspace carve(void* base, int64_t n, int64_t dim, int64_t num_weights, std::size_t acc_bytes) {
+Workspace carve(void* base, const embedding_detail::CudaWorkspaceLayout& l) {
   char* p = static_cast<char*>(base);
-  const std::size_t ids = round_up_256(static_cast<std::size_t>(n) * sizeof(uint32_t));
-  Workspace w{};
-  w.keys_in = reinterpret_cast<uint32_t*>(p);
-  w.keys_sorted = reinterpret_cast<uint32_t*>(p + ids);
-  w.positions_in = reinterpret_cast<uint32_t*>(p + 2 * ids);
-  w.positions_sorted = reinterpret_cast<uint32_t*>(p + 3 * ids);
-  w.sort_scratch = p + 4 * ids;
-  w.sort_bytes = embedding_backward_cuda_sort_bytes(n, num_weights);
-  char* q = p + 4 * ids + round_up_256(w.sort_bytes);
-  w.row_occurs = reinterpret_cast<uint8_t*>(q);
-  q += round_up_256(static_cast<std::size_t>(num_weights));
-  w.tile_pieces = reinterpret_cast<uint2*>(q);
-  q += round_up_256(static_cast<std::size_t>(tile_count(n)) * sizeof(uint2));
-  w.tile_partials = q;
-  q += round_up_256(2 * static_cast<std::size_t>(tile_count(n)) * static_cast<std::size_t>(dim) * acc_bytes);
-  w.group_partials = q;
-  return w;
+  return {reinterpret_cast<uint32_t*>(p + l.keys_in),     reinterpret_cast<uint32_t*>(p + l.keys_sorted),
+          reinterpret_cast<uint32_t*>(p + l.positions_in), reinterpret_cast<uint32_t*>(p + l.positions_sorted),
+          p + l.sort_scratch,                              l.sort_bytes,
+          reinterpret_cast<uint8_t*>(p + l.row_occurs),    reinterpret_cast<uint2*>(p + l.tile_pieces),
+          p + l.tile_partials,                             p + l.group_partials};
 }
 
 template <class T, int VEC>
@@ -401,8 +398,12 @@ void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, vo
   if (error == nullptr) throw std::invalid_argument("embedding_backward: the CUDA backend needs an error record");
   const auto stream = static_cast<cudaStream_t>(stream_handle);
   if (a.num_weights * a.dim > 0 && out == nullptr) throw std::invalid_argument("embedding_backward: null output");
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
+    throw std::invalid_argument("embedding_backward: the CUDA workspace must be 256-byte aligned");
   const std::size_t acc_bytes = a.grad_dtype == DType::Float64 ? 8 : 4;
-  const Workspace w = carve(workspace, a.num_indices, a.dim, a.num_weights, acc_bytes);
+  const Workspace w = carve(workspace, embedding_detail::cuda_workspace_layout(
+                                           a.num_indices, a.dim, a.num_weights, acc_bytes,
+                                           embedding_backward_cuda_sort_bytes(a.num_indices, a.num_weights)));
   if (a.num_weights > 0) GS_CUDA_CHECK(cudaMemsetAsync(w.row_occurs, 0, static_cast<std::size_t>(a.num_weights), stream));
   const int n = static_cast<int>(a.num_indices);
   if (n > 0) {

@@ -32,11 +32,57 @@ GS_HD int64_t piece_slot(int64_t tile_or_group, bool row_began_earlier) {
   return 2 * tile_or_group + (row_began_earlier ? 0 : 1);
 }
 
+// Workspace layouts: one definition serves both the size query and the carving.
+struct CpuWorkspaceLayout {
+  std::size_t sorted = 0;      // packed (row << 32 | position) records, uint64 per index
+  std::size_t row_starts = 0;  // start of every row's run, int64 per index + 1
+  std::size_t total = 0;
+};
+
+inline CpuWorkspaceLayout cpu_workspace_layout(int64_t num_indices) {
+  const auto n = static_cast<std::size_t>(num_indices);
+  CpuWorkspaceLayout l;
+  l.row_starts = round_up_256(n * sizeof(uint64_t));
+  l.total = l.row_starts + round_up_256((n + 1) * sizeof(int64_t));
+  return l;
+}
+
+// Byte offsets into the CUDA workspace (which must be 256-byte aligned).
+struct CudaWorkspaceLayout {
+  std::size_t keys_in = 0, keys_sorted = 0, positions_in = 0, positions_sorted = 0;
+  std::size_t sort_scratch = 0, sort_bytes = 0;  // CUB's radix sort scratch
+  std::size_t row_occurs = 0;                   // one "row occurs" byte per row
+  std::size_t tile_pieces = 0;                  // uint2 per tile: rows of its partial slots
+  std::size_t tile_partials = 0, group_partials = 0;  // two partial rows per tile / per group
+  std::size_t total = 0;
+};
+
+inline CudaWorkspaceLayout cuda_workspace_layout(int64_t num_indices, int64_t dim, int64_t num_weights,
+                                                 std::size_t acc_bytes, std::size_t sort_bytes) {
+  const auto n = static_cast<std::size_t>(num_indices);
+  const std::size_t ids = round_up_256(n * sizeof(uint32_t));
+  const std::size_t row_bytes = static_cast<std::size_t>(dim) * acc_bytes;
+  CudaWorkspaceLayout l;
+  l.keys_sorted = ids;
+  l.positions_in = 2 * ids;
+  l.positions_sorted = 3 * ids;
+  l.sort_scratch = 4 * ids;
+  l.sort_bytes = sort_bytes;
+  l.row_occurs = l.sort_scratch + round_up_256(sort_bytes);
+  l.tile_pieces = l.row_occurs + round_up_256(static_cast<std::size_t>(num_weights));
+  l.tile_partials = l.tile_pieces + round_up_256(static_cast<std::size_t>(tile_count(num_indices)) * 8);
+  l.group_partials = l.tile_partials + round_up_256(2 * static_cast<std::size_t>(tile_count(num_indices)) * row_bytes);
+  l.total = l.group_partials + round_up_256(2 * static_cast<std::size_t>(tile_group_count(num_indices)) * row_bytes);
+  return l;
+}
+
 // Final step for one element of a row: optional division by the occurrence count, then one rounding.
+// A NaN result becomes the canonical NaN: x86 and CUDA arithmetic produce different NaN payloads.
 template <class T>
 GS_HD T finish_element(typename ElementTraits<T>::Acc total, int64_t count, bool scale_grad_by_freq) {
   using Acc = typename ElementTraits<T>::Acc;
   if (scale_grad_by_freq) total = total / static_cast<Acc>(count);
+  if (total != total) return ElementTraits<T>::canonical_nan();
   return ElementTraits<T>::store(total);
 }
 

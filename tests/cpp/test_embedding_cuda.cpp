@@ -103,6 +103,27 @@ TEST(EmbeddingCuda, OutOfRangeIndexIsReportedAndLeftOut) {
   EXPECT_NE(message.find("out of range"), std::string::npos) << message;
   EXPECT_EQ(take_device_error(true), "");
 }
+TEST(EmbeddingCuda, RejectsAMisalignedWorkspace) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  EmbeddingBackwardArgs a;
+  a.num_indices = 8;
+  a.dim = 8;
+  a.num_weights = 4;
+  a.grad_dtype = DType::BFloat16;
+  const std::size_t bytes = embedding_backward_workspace_bytes(Backend::Cuda, a.grad_dtype, 8, 8, 4);
+  char* base = nullptr;
+  ASSERT_EQ(cudaMalloc(&base, bytes + 256), cudaSuccess);
+  void *grad = nullptr, *indices = nullptr, *out = nullptr;
+  cudaMalloc(&grad, 8 * 8 * 2); cudaMalloc(&indices, 8 * 8); cudaMalloc(&out, 4 * 8 * 2);
+  cudaMemset(indices, 0, 8 * 8);
+  a.grad = grad;
+  a.indices = indices;
+  EXPECT_THROW(embedding_backward_dense_cuda(a, out, base + 16, bytes, device_error_record(), nullptr),
+               std::invalid_argument);
+  EXPECT_NO_THROW(embedding_backward_dense_cuda(a, out, base, bytes, device_error_record(), nullptr));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(base); cudaFree(grad); cudaFree(indices); cudaFree(out);
+}
 #else
 TEST(EmbeddingCuda, SkippedWithoutCudaBackend) { GTEST_SKIP() << "built without the CUDA backend"; }
 #endif

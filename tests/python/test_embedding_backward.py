@@ -718,7 +718,7 @@ def test_failed_call_writes_nothing_to_output(bad_position, gen):
     indices = uniform_indices(n, num_weights, gen)
     indices[bad_position] = num_weights + 2
     out = torch.full((num_weights, d), float("nan"))
-    ws_bytes = _C.embedding_backward_workspace_bytes("cpu", "float32", n, d, num_weights)
+    ws_bytes = _C.embedding_backward_workspace_bytes("cpu", 0, "float32", n, d, num_weights)
     workspace = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8)
     with pytest.raises(IndexError, match=f"index {num_weights + 2} at position {bad_position}"):
         _C.embedding_backward_dense(
@@ -790,3 +790,19 @@ def test_make_fx_traces_autograd_through_graphsafe_embedding(gen):
     assert "graphsafe.embedding_backward.default" in targets
     assert "aten.embedding_dense_backward.default" not in targets
     assert_bitwise_equal(gm(weight, indices), f(weight, indices), "traced backward")
+
+
+def test_nan_results_use_the_canonical_encoding():
+    """NaN results are written as one NaN encoding (so CPU and CUDA agree bitwise): 0x7fc00000 in fp32,
+    0x7e00 in fp16, 0x7fc0 in bf16, whichever NaN the arithmetic produced (NaN input or inf - inf)."""
+    canonical = {torch.float32: (torch.int32, 0x7FC00000), torch.float16: (torch.int16, 0x7E00),
+                 torch.bfloat16: (torch.int16, 0x7FC0)}
+    for dtype, (int_dtype, bits) in canonical.items():
+        grad = torch.ones(4, 2, dtype=dtype)
+        grad[0, 0] = float("nan")
+        grad[1, 1] = float("inf")
+        grad[2, 1] = float("-inf")
+        out = torch.ops.graphsafe.embedding_backward(grad, torch.tensor([0, 1, 1, 2]), 3, -1, False)
+        assert out[0, 0].isnan() and out[1, 1].isnan()
+        assert out.view(int_dtype)[0, 0].item() & 0xFFFFFFFF == bits
+        assert out.view(int_dtype)[1, 1].item() & 0xFFFFFFFF == bits
