@@ -1,8 +1,8 @@
 // CUDA backend of the optimizer step: the shared rules (rules.h) in multi-tensor kernels.
 //
 // Tensors go in launches of up to kMaxTensors; their pointers travel as a kernel argument (so a captured
-// graph keeps them, and no metadata is copied to the device). Every block updates one chunk of
-// kChunkElements elements of one tensor with 16-byte accesses where alignment allows. lr and each
+// graph keeps them, and no metadata is copied to the device). Blocks take chunks of kChunkElements
+// elements of one tensor in turn, with 16-byte accesses where alignment allows. lr and each
 // tensor's step are read from device memory inside the kernel. Layer-wise algorithms (LAMB, LARS) run
 // three kernels: per-chunk squared norms (a fixed-order block reduction), per-tensor factor (chunks added
 // in order), and the update.
@@ -59,18 +59,27 @@ struct BlockWork {
   int64_t begin, end;
 };
 
-__device__ BlockWork block_work(const TensorTable& table) {
-  const int t = tensor_of_block(table, blockIdx.x);
-  const int64_t chunk = blockIdx.x - table.first_block[t];
+__device__ BlockWork block_work(const TensorTable& table, int64_t block) {
+  const int t = tensor_of_block(table, block);
+  const int64_t chunk = block - table.first_block[t];
   const int64_t begin = chunk * kChunkElements;
   return {t, begin, min(begin + kChunkElements, table.numel[t])};
 }
 
+// Blocks loop over chunks (the grid is capped at what the GPU holds at once), so the coefficients, which
+// take double-precision powers, are formed once per tensor per block: by one thread, into shared memory.
 __device__ void share_coefficients(const OptimOptions& o, const float* lr, const TensorTable& table, int t,
-                                   Coefficients& shared) {
+                                   int& current, Coefficients& shared) {
+  if (t == current) return;
+  __syncthreads();  // everyone is done with the previous tensor's coefficients
   if (threadIdx.x == 0) shared = coefficients(o, *lr, *table.step[t]);
   __syncthreads();
+  current = t;
 }
+
+#define GS_FOR_EACH_CHUNK(table, total_blocks, w) \
+  for (int64_t block_ = blockIdx.x; block_ < (total_blocks); block_ += gridDim.x) \
+    if (const BlockWork w = block_work(table, block_); true)
 
 // Calls body(i, g, p, s) for each element a thread owns, loading and storing kVec elements at a time
 // when the tensor's pointers allow; body returns whether it changed p and s (skipped elements are not
@@ -127,25 +136,29 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
 }
 
 template <class T, int States>
-__global__ void __launch_bounds__(kThreads) elementwise_kernel(OptimOptions o, const float* lr, TensorTable table) {
+__global__ void __launch_bounds__(kThreads)
+    elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks) {
   __shared__ Coefficients k;
-  const BlockWork w = block_work(table);
-  share_coefficients(o, lr, table, w.tensor, k);
-  for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
-    if (skipped(o, g)) return false;
-    elementwise_step(o, k, g, p, s);
-    return true;
-  });
+  int current = -1;
+  GS_FOR_EACH_CHUNK(table, total_blocks, w) {
+    share_coefficients(o, lr, table, w.tensor, current, k);
+    for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
+      if (skipped(o, g)) return false;
+      elementwise_step(o, k, g, p, s);
+      return true;
+    });
+  }
 }
 
 // Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads).
 template <class T, int States>
 __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const float* lr, TensorTable table,
-                                                          float* chunk_norms) {
+                                                          int64_t total_blocks, float* chunk_norms) {
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
-  const BlockWork w = block_work(table);
-  share_coefficients(o, lr, table, w.tensor, k);
+  int current = -1;
+  GS_FOR_EACH_CHUNK(table, total_blocks, w) {
+  share_coefficients(o, lr, table, w.tensor, current, k);
   SquaredNorms mine{0.0f, 0.0f};
   for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
     const SquaredNorms n = layerwise_measure(o, k, g, p, s);
@@ -164,9 +177,11 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    const int64_t chunk = table.first_chunk[w.tensor] + (blockIdx.x - table.first_block[w.tensor]);
+    const int64_t chunk = table.first_chunk[w.tensor] + (block_ - table.first_block[w.tensor]);
     chunk_norms[2 * chunk] = partial[0][0];
     chunk_norms[2 * chunk + 1] = partial[1][0];
+  }
+  __syncthreads();  // partial[] is reused by the next chunk
   }
 }
 
@@ -187,16 +202,26 @@ __global__ void factor_kernel(OptimOptions o, const float* lr, TensorTable table
 // Layer-wise pass 2.
 template <class T, int States>
 __global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const float* lr, TensorTable table,
-                                                        const float* factors) {
+                                                        int64_t total_blocks, const float* factors) {
   __shared__ Coefficients k;
-  const BlockWork w = block_work(table);
-  share_coefficients(o, lr, table, w.tensor, k);
-  const float factor = factors[table.factor_index[w.tensor]];
-  for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
-    if (skipped(o, g)) return false;
-    layerwise_apply(o, k, factor, g, p, s);
-    return true;
-  });
+  int current = -1;
+  GS_FOR_EACH_CHUNK(table, total_blocks, w) {
+    share_coefficients(o, lr, table, w.tensor, current, k);
+    const float factor = factors[table.factor_index[w.tensor]];
+    for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
+      if (skipped(o, g)) return false;
+      layerwise_apply(o, k, factor, g, p, s);
+      return true;
+    });
+  }
+}
+
+// Blocks one launch uses: all chunks, at most what the GPU keeps resident (8 blocks of 256 per SM).
+int64_t grid_for(int64_t blocks) {
+  int device = 0, sms = 0;
+  GS_CUDA_CHECK(cudaGetDevice(&device));
+  GS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::min<int64_t>(blocks, int64_t(sms) * 8);
 }
 
 template <class T, int States>
@@ -204,16 +229,17 @@ void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t bloc
                   std::size_t factors_offset, cudaStream_t stream) {
   if (blocks == 0) return;
   const OptimOptions& o = a.options;
+  const int64_t grid = grid_for(blocks);
   if (!is_layerwise(o.algorithm)) {
-    elementwise_kernel<T, States><<<blocks, kThreads, 0, stream>>>(o, a.lr, table);
+    elementwise_kernel<T, States><<<grid, kThreads, 0, stream>>>(o, a.lr, table, blocks);
     GS_CUDA_CHECK_LAUNCH();
     return;
   }
-  measure_kernel<T, States><<<blocks, kThreads, 0, stream>>>(o, a.lr, table, workspace);
+  measure_kernel<T, States><<<grid, kThreads, 0, stream>>>(o, a.lr, table, blocks, workspace);
   GS_CUDA_CHECK_LAUNCH();
   factor_kernel<<<1, kMaxTensors, 0, stream>>>(o, a.lr, table, workspace, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
-  apply_kernel<T, States><<<blocks, kThreads, 0, stream>>>(o, a.lr, table, workspace + factors_offset);
+  apply_kernel<T, States><<<grid, kThreads, 0, stream>>>(o, a.lr, table, blocks, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
 }
 
