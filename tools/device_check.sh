@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, C++ tests, CUDA pytest files, benchmarks. Logs go to $OUT.
+# Usage (device tool): bash tools/device_check.sh [commit]   with .deps/googletest carried (see README).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export GRAPHSAFE_COMMIT=${1:-unknown} PYTHONUNBUFFERED=1
+python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+(cmake -S . -B build/cpp -G Ninja -DGRAPHSAFE_BUILD_TESTS=ON -DGRAPHSAFE_GTEST_SOURCE_DIR="$PWD/.deps/googletest" \
+  && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$OUT/ctest.log" 2>&1
+echo "ctest: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+timeout 330 python3 -m pytest -q -p no:cacheprovider -x --timeout 120 ${PYTEST_FILES:-tests/python/test_embedding_cuda.py tests/python/test_embedding_lookup.py tests/python/test_optim_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
+echo "pytest rc=$?: $(tail -1 "$OUT/pytest_cuda.log")"
+grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20
+timeout ${BENCH_TIMEOUT:-200} python3 -m graphsafe bench ${BENCH_ARGS:-} > "$OUT/bench.txt" 2> "$OUT/bench.err"
+echo "bench rc=$?"
+grep -v '^{' "$OUT/bench.txt" | grep -E '^\||^#' | head -80
