@@ -96,7 +96,8 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* 
     if (i == 0 || (sorted[i] >> 32) != (sorted[i - 1] >> 32)) row_starts[rows++] = i;
   row_starts[rows] = kept;
 
-#pragma omp parallel
+  // Small problems stay on the calling thread: a parallel region costs more than it saves there.
+#pragma omp parallel if (n * dim >= (1 << 16))
   {
     RowScratch<typename ElementTraits<T>::Acc> scratch(dim);
 #pragma omp for schedule(dynamic, 16)

@@ -24,7 +24,7 @@ void embedding_lookup_cpu(const EmbeddingLookupArgs& a, void* out) {
   if (row_bytes == 0) return;
   const auto* weight = static_cast<const unsigned char*>(a.weight);
   auto* dst = static_cast<unsigned char*>(out);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(row_bytes) * a.num_indices >= (1 << 18))
   for (int64_t i = 0; i < a.num_indices; ++i)
     std::memcpy(dst + i * row_bytes, weight + index_at(i) * row_bytes, row_bytes);
 }

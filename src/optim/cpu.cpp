@@ -14,6 +14,10 @@ namespace {
 
 using namespace optim_detail;
 
+// Below this many elements a parallel region costs more than it saves (and oversubscribed machines make
+// idle OpenMP threads very expensive), so small tensors run on the calling thread.
+constexpr int64_t kParallelMinElements = 1 << 16;
+
 template <class T>
 struct ElementView {
   const OptimTensor& t;
@@ -31,7 +35,7 @@ struct ElementView {
 
 template <class T>
 void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t i = 0; i < e.t.numel; ++i) {
     const float g = e.grad(i);
     if (skipped(o, g)) continue;
@@ -46,7 +50,7 @@ template <class T>
 void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e, float* chunk_norms,
                float* factor) {
   const int64_t chunks = chunk_count(e.t.numel);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t c = 0; c < chunks; ++c) {
     SquaredNorms sum{0.0f, 0.0f};
     const int64_t end = std::min(e.t.numel, (c + 1) * kChunkElements);
@@ -67,7 +71,7 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T
     total.update += chunk_norms[2 * c + 1];
   }
   *factor = layerwise_factor(o, k, total);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t i = 0; i < e.t.numel; ++i) {
     const float g = e.grad(i);
     if (skipped(o, g)) continue;

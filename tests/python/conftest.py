@@ -262,3 +262,110 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Optimizer helpers (test_optim*.py)
+# --------------------------------------------------------------------------------------------------------
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def optim_cases() -> dict[str, tuple[type, dict]]:
+    """One representative configuration per algorithm (and per Adam weight-decay flavour), each with
+    weight_decay > 0 and the options that create every state the algorithm can keep (amsgrad, momentum,
+    centered, ...), so properties checked over these cases cover every state buffer. Learning rates are
+    large enough that bf16/fp16 parameters move by more than half an ulp per step."""
+    import graphsafe.optim as go
+
+    return {
+        "Adam": (go.Adam, dict(lr=0.02, weight_decay=0.1, amsgrad=True)),
+        "Adam-decoupled": (go.Adam, dict(lr=0.02, weight_decay=0.1, amsgrad=True, decoupled_weight_decay=True)),
+        "AdamW": (go.AdamW, dict(lr=0.02, weight_decay=0.1, amsgrad=True)),
+        "SGD": (go.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.1)),
+        "SGD-nesterov": (go.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)),
+        "RMSprop": (go.RMSprop, dict(lr=0.01, alpha=0.9, momentum=0.5, centered=True, weight_decay=0.1)),
+        "Adagrad": (go.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.1)),
+        "Lion": (go.Lion, dict(lr=0.02, weight_decay=0.1)),
+        "LAMB": (go.LAMB, dict(lr=0.02, weight_decay=0.1)),
+        "LARS": (go.LARS, dict(lr=1.0, momentum=0.9, weight_decay=0.1, trust_coefficient=0.02)),
+        "AdEMAMix": (go.AdEMAMix, dict(lr=0.02, weight_decay=0.1, t_alpha=6, t_beta3=6)),
+    }
+
+
+OPTIM_CASE_NAMES = tuple(optim_cases())
+
+
+def make_params(shapes, dtype: torch.dtype, generator: torch.Generator, device="cpu", offsets=None, scale=0.5):
+    """nn.Parameters of the given shapes with values ~ N(0, scale^2) rounded to `dtype` (drawn on the CPU, so
+    every device gets the same values). offsets[i] > 0 makes parameter i a contiguous view that starts
+    offsets[i] elements into a larger buffer (a pointer not aligned for vector loads)."""
+    params = []
+    for i, shape in enumerate(shapes):
+        shape = _shape_of(shape)
+        offset = 0 if offsets is None else int(offsets[i])
+        values = random_grad(shape, dtype, generator, scale=scale)
+        n = math.prod(shape)
+        buf = torch.zeros(n + offset, dtype=dtype, device=device)
+        view = buf[offset:].view(shape)
+        view.copy_(values.to(device))
+        params.append(torch.nn.Parameter(view))
+    return params
+
+
+def clone_params(params):
+    """Fresh nn.Parameters with the same values (and no grads)."""
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def state_tensors(optimizer, p) -> dict[str, torch.Tensor]:
+    """The tensors the optimizer keeps for parameter p (step included), by name."""
+    return {k: v for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| over the whole tensor, in float64 (the absolute difference's
+    norm when expected is all zeros). NaN anywhere gives NaN, which fails every <= comparison."""
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    num = torch.linalg.vector_norm(a - e)
+    den = torch.linalg.vector_norm(e)
+    return float(num / den) if float(den) > 0 else float(num)
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str = "result") -> None:
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: ||actual - expected|| / ||expected|| = {err:.3g} > {tol:.3g}"
+
+
+def ulp_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of `dtype`'s representable numbers at |x| (x any float tensor; result float64): eps * 2^e
+    for |x| in [2^e, 2^(e+1)), and the subnormal spacing below the smallest normal number."""
+    fi = torch.finfo(dtype)
+    x = x.detach().to("cpu", torch.float64).abs()
+    _, exponent = torch.frexp(x)  # x = m * 2^exponent, m in [0.5, 1)
+    spacing = fi.eps * torch.pow(2.0, (exponent - 1).to(torch.float64))
+    return torch.clamp(spacing, min=fi.smallest_normal * fi.eps)
+
+
+def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float, what: str = "result",
+                       scale: torch.Tensor | None = None) -> None:
+    """|actual - expected| <= ulps * ulp(max(|actual|, |expected|, |scale|)) elementwise, in the ulps of
+    actual's dtype. `scale` (e.g. the parameter before the step) covers results that cancel: x = p + delta
+    computed twice in fp32 may differ by a few fp32 ulps of |p|, which is far below one ulp of a 16-bit
+    dtype at |p| but arbitrarily many ulps of a result near zero."""
+    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    magnitude = torch.maximum(a.abs(), e.abs())
+    if scale is not None:
+        magnitude = torch.maximum(magnitude, scale.detach().to("cpu", torch.float64).abs())
+    bound = ulps * ulp_of(magnitude, actual.dtype)
+    err = (a - e).abs()
+    bad = ~(err <= bound)  # NaN fails too
+    if bool(bad.any()):
+        where = bad.nonzero()[:5].tolist()
+        details = ", ".join(f"{tuple(w)}: {a[tuple(w)].item()!r} vs {e[tuple(w)].item()!r}" for w in where)
+        raise AssertionError(f"{what}: {int(bad.sum())} element(s) differ by more than {ulps} ulp; first: {details}")

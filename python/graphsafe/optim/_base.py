@@ -115,16 +115,23 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     # ---- the step ----
 
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str]) -> dict[str, Tensor]:
+        """p's state, created on its first step; a state an option turned on later (e.g. SGD momentum set
+        after the first step) starts from its initial value, as torch starts it then."""
         state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            for name in self._state_names(group):
-                state[name] = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
+        if len(state) != len(names) + 1:
+            state.setdefault("step", torch.zeros((), dtype=torch.float32, device=p.device))
+            for name in names:
+                if name not in state:
+                    state[name] = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
         return state
 
-    def _check_grad(self, p: Tensor) -> Tensor:
-        g = p.grad
+    def _check_grad(self, p: Tensor, g: Tensor) -> Tensor:
+        """The gradient as the core needs it; a clear error for anything else. The common case costs one
+        combined test (this runs for every parameter on every step)."""
+        if (g.layout is torch.strided and g.dtype is p.dtype and g.device == p.device and g.shape == p.shape
+                and not g.is_complex()):
+            return g if g.is_contiguous() else g.contiguous()
         name = type(self).__name__
         if g.is_sparse or g.layout != torch.strided:
             raise RuntimeError(f"{name} does not support sparse gradients; use a dense gradient (graphsafe.nn.Embedding gives one)")
@@ -134,9 +141,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{name}: gradient dtype {g.dtype} differs from its parameter's {p.dtype}")
         if g.device != p.device:
             raise ValueError(f"{name}: gradient on {g.device} but its parameter on {p.device}")
-        if g.shape != p.shape:
-            raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from its parameter's {tuple(p.shape)}")
-        return g if g.is_contiguous() else g.contiguous()
+        raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from its parameter's {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -154,19 +159,19 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, params: list[Tensor]) -> None:
-        grads = [self._check_grad(p) for p in params]
-        states = [self._init_state(group, p) for p in params]
+        grads = [self._check_grad(p, p.grad) for p in params]
         names = self._state_names(group)
+        states = [self._state_of(group, p, names) for p in params]
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)
         options = self._options(group)
+        _C.optim_validate(self.algorithm, options)  # before the counters move: a rejected step changes nothing
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)  # one launch on CUDA
         numels = [p.numel() for p in params]
-        workspace = torch.empty(
-            _C.optim_workspace_bytes(device.type, self.algorithm, options, numels), dtype=torch.uint8, device=device
-        )
+        workspace_bytes = _C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
         _C.optim_step(
             device.type,
             device.index or 0,
@@ -180,8 +185,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             [[s[n].data_ptr() for n in names] for s in states],
             [s.data_ptr() for s in steps],
             numels,
-            workspace.data_ptr(),
-            workspace.numel(),
+            workspace.data_ptr() if workspace is not None else 0,
+            workspace_bytes,
         )
 
     # ---- persistence ----

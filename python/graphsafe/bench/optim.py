@@ -1,0 +1,510 @@
+"""The `optim` suite: one whole optimizer.step(), graphsafe vs torch.optim, as % of copy bandwidth.
+
+Three groups of measurements, each one record per method:
+- compare: AdamW and SGD (momentum 0.9) at 4M, 64M and 256M elements, fp32 and bf16 params, in one tensor and
+  in 200, graphsafe next to torch.optim's fused implementation (its foreach one where fused does not run, and
+  labelled so);
+- algorithms: all nine graphsafe algorithms at 64M fp32 elements in one tensor;
+- graph: graphsafe AdamW at 64M fp32 captured in a CUDA graph and replayed (host overhead gone), checked
+  bitwise against the same steps taken eagerly (CUDA only).
+
+Gradients are set once (N(0,1): no element is zero, so skip_zeros would change nothing; it stays off), every
+optimizer steps once before the timer's own warm-up (its state exists), and the timed calls step the same
+parameters again and again. Each method is charged its own minimum bytes: params and grads read once,
+params written once, every state tensor it actually holds read and written once (torch keeps bf16 states
+for bf16 params, graphsafe fp32), one pass for LAMB and LARS although they make two.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+import graphsafe.optim
+
+from .harness import BenchContext, Suite, Target, register_suite
+from .report import first_line, fmt_bool, fmt_bytes, fmt_float, fmt_ms, markdown_table
+from .timing import Timing, gbps, input_set_count, time_function
+
+MIB_ELEMENTS = 2**20
+FULL_TOTALS = (4 * MIB_ELEMENTS, 64 * MIB_ELEMENTS, 256 * MIB_ELEMENTS)
+HEADLINE_TOTAL = 64 * MIB_ELEMENTS
+QUICK_DIVISOR = 1024
+TENSOR_COUNTS = (1, 200)
+DTYPES = (torch.float32, torch.bfloat16)
+COMPARED = ("AdamW", "SGD")
+ALGORITHMS = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix")
+TWO_PASS = ("LAMB", "LARS")
+# Same arguments for graphsafe and torch; the other algorithms run with their class defaults.
+OPTIONS = {"AdamW": dict(lr=1e-3, weight_decay=1e-2), "SGD": dict(lr=1e-3, momentum=0.9)}
+TARGET_PCT_COPY_BW = 90.0
+TARGET_MS = 0.50
+GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture, as torch.cuda.graph's docs ask
+GRAPH_CHECK_REPLAYS = 2  # replays compared bitwise with the same number of eager steps
+BYTES_FORMULA = (
+    "numel × (3 × param bytes + 2 × Σ state bytes): param and grad read, param written, each state read and written"
+)
+
+
+@dataclass(frozen=True)
+class OptimCase:
+    group: str  # compare, algorithms or graph
+    algorithm: str  # a graphsafe.optim class name (and its torch.optim namesake in the compare group)
+    total: int  # elements over all tensors
+    dtype: torch.dtype
+    tensors: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.algorithm} {fmt_count(self.total)} {dtype_short(self.dtype)} ×{self.tensors}"
+
+    def sizes(self) -> list[int]:
+        """`tensors` sizes summing to `total`, as equal as possible (the first ones one element larger)."""
+        count = min(self.tensors, self.total)
+        base, extra = divmod(self.total, count)
+        return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+def fmt_count(elements: int) -> str:
+    for suffix, scale in (("M", 2**20), ("K", 2**10)):
+        if elements % scale == 0:
+            return f"{elements // scale}{suffix}"
+    return str(elements)
+
+
+def dtype_short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def _divisor(quick: bool) -> int:
+    return QUICK_DIVISOR if quick else 1
+
+
+def compare_cases(quick: bool) -> list[OptimCase]:
+    return [
+        OptimCase("compare", algorithm, total // _divisor(quick), dtype, tensors)
+        for algorithm in COMPARED
+        for total in FULL_TOTALS
+        for dtype in DTYPES
+        for tensors in TENSOR_COUNTS
+    ]
+
+
+def algorithm_cases(quick: bool) -> list[OptimCase]:
+    return [OptimCase("algorithms", a, HEADLINE_TOTAL // _divisor(quick), torch.float32, 1) for a in ALGORITHMS]
+
+
+def graph_cases(quick: bool) -> list[OptimCase]:
+    return [OptimCase("graph", "AdamW", HEADLINE_TOTAL // _divisor(quick), torch.float32, n) for n in TENSOR_COUNTS]
+
+
+def headline_case(quick: bool) -> OptimCase:
+    return OptimCase("compare", "AdamW", HEADLINE_TOTAL // _divisor(quick), torch.float32, 1)
+
+
+# ---- building optimizers ----
+
+
+def make_params(case: OptimCase, device: torch.device, seed: int) -> list[torch.nn.Parameter]:
+    """The case's parameters, each with its gradient already set; the same seed gives the same values."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for numel in case.sizes():
+        p = torch.nn.Parameter(torch.randn(numel, dtype=case.dtype, device=device, generator=generator))
+        p.grad = torch.randn(numel, dtype=case.dtype, device=device, generator=generator)
+        params.append(p)
+    return params
+
+
+def graphsafe_optimizer(algorithm: str, params) -> torch.optim.Optimizer:
+    return getattr(graphsafe.optim, algorithm)(params, **OPTIONS.get(algorithm, {}))
+
+
+def torch_optimizer(algorithm: str, params, impl: str) -> torch.optim.Optimizer:
+    return getattr(torch.optim, algorithm)(params, **OPTIONS[algorithm], **{impl: True})
+
+
+@lru_cache(maxsize=None)
+def torch_impl(algorithm: str, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+    """("fused", "") when torch's fused step runs for this dtype and device, else ("foreach", why not)."""
+    p = torch.nn.Parameter(torch.zeros(8, dtype=dtype, device=device))
+    p.grad = torch.ones_like(p)
+    try:
+        torch_optimizer(algorithm, [p], "fused").step()
+    except Exception as exc:  # noqa: BLE001 - any refusal means: use foreach, and say why
+        return "foreach", first_line(exc)
+    return "fused", ""
+
+
+def new_optimizer(case: OptimCase, method: str, device: torch.device, seed: int) -> torch.optim.Optimizer:
+    params = make_params(case, device, seed)
+    if method == "graphsafe":
+        return graphsafe_optimizer(case.algorithm, params)
+    return torch_optimizer(case.algorithm, params, torch_impl(case.algorithm, case.dtype, device)[0])
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-element states the optimizer holds for p (its step counter and other scalars left out)."""
+    state = optimizer.state.get(p, {})
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape and k != "step"}
+
+
+def min_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """One step's minimum traffic: BYTES_FORMULA over every parameter, with the states actually held."""
+    total = 0
+    for p in _params(optimizer):
+        states = state_tensors(optimizer, p).values()
+        total += p.numel() * (3 * p.element_size() + 2 * sum(s.element_size() for s in states))
+    return total
+
+
+def _describe_states(optimizer: torch.optim.Optimizer) -> tuple[list[str], str]:
+    states = state_tensors(optimizer, _params(optimizer)[0])
+    dtypes = sorted({dtype_short(s.dtype) for s in states.values()})
+    return list(states), "/".join(dtypes) or "-"
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        gc.collect()  # a safety net: anything left in a reference cycle would keep gigabytes of state alive
+        torch.cuda.empty_cache()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- measuring ----
+
+
+def build_input_sets(case: OptimCase, method: str, ctx: BenchContext) -> list[tuple[torch.optim.Optimizer]]:
+    """One optimizer over the case's parameters, plus copies when one would stay in L2; each has stepped once."""
+    first = new_optimizer(case, method, ctx.device, ctx.seed)
+    first.step()
+    sets = [(first,)]
+    for i in range(1, input_set_count(ctx.device, min_bytes(first))):
+        extra = new_optimizer(case, method, ctx.device, ctx.seed + i)
+        extra.step()
+        sets.append((extra,))
+    _synchronize(ctx.device)
+    return sets
+
+
+def time_steps(call, input_sets: list[tuple], ctx: BenchContext) -> tuple[Timing, float]:
+    """The timer's device (or host) time per call, and the median host time of launching one call."""
+    host_seconds: list[float] = []
+
+    def timed(*args):
+        begin = time.perf_counter()
+        call(*args)
+        host_seconds.append(time.perf_counter() - begin)
+
+    timing = time_function(timed, input_sets, ctx.device, ctx.timer)
+    return timing, statistics.median(host_seconds[-timing.repeats:]) * 1e3
+
+
+def _base_record(ctx: BenchContext, case: OptimCase, method: str, impl: str) -> dict:
+    return {
+        "record": "measurement",
+        "suite": "optim",
+        "group": case.group,
+        "case": case.label,
+        "algorithm": case.algorithm,
+        "method": method,
+        "impl": impl,
+        "device": ctx.device.type,
+        "dtype": dtype_short(case.dtype),
+        "numel": case.total,
+        "tensors": case.tensors,
+        "options": OPTIONS.get(case.algorithm, "class defaults"),
+        "passes": 2 if case.algorithm in TWO_PASS else 1,
+        "quick": ctx.quick,
+    }
+
+
+def _timing_fields(ctx: BenchContext, timing: Timing, host_ms: float, moved: int) -> dict:
+    bandwidth = gbps(moved, timing.ms_median)
+    return {
+        "ms_median": round(timing.ms_median, 5),
+        "ms_min": round(timing.ms_min, 5),
+        "host_ms": round(host_ms, 5),
+        "repeats": timing.repeats,
+        "bytes": moved,
+        "gbps": round(bandwidth, 2),
+        "pct_copy_bw": round(100 * bandwidth / ctx.copy_bw_gbps, 2),
+    }
+
+
+def measure_method(ctx: BenchContext, case: OptimCase, method: str, torch_ms: float | None = None) -> dict:
+    """Time case × method; a failure becomes the record's "error" so that the other methods still run."""
+    if method == "graphsafe":
+        impl, fallback_reason = "graphsafe", ""
+    else:
+        impl, fallback_reason = torch_impl(case.algorithm, case.dtype, ctx.device)
+    record = _base_record(ctx, case, method, impl)
+    if fallback_reason:
+        record["fused_unavailable"] = fallback_reason
+    input_sets: list[tuple] = []
+    optimizer = None
+    try:
+        input_sets = build_input_sets(case, method, ctx)
+        optimizer = input_sets[0][0]
+        moved = min_bytes(optimizer)
+        names, state_dtype = _describe_states(optimizer)
+        timing, host_ms = time_steps(lambda opt: opt.step(), input_sets, ctx)
+        record |= _timing_fields(ctx, timing, host_ms, moved)
+        record |= {"bytes_per_element": round(moved / case.total, 3), "states": names, "state_dtype": state_dtype,
+                   "input_sets": len(input_sets)}
+        if torch_ms is not None:
+            record["speedup_vs_torch"] = round(torch_ms / timing.ms_median, 3)
+    except Exception as exc:  # one failing method must not hide the others' results
+        record["error"] = first_line(exc)
+    finally:
+        input_sets = optimizer = None  # drop every reference before handing the memory back
+        _release(ctx.device)
+    return record
+
+
+def _equal_steps(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    """Parameters, per-element states and step counters all bitwise equal."""
+    for p, q in zip(_params(a), _params(b)):
+        if not torch.equal(p, q):
+            return False
+        sa, sb = a.state[p], b.state[q]
+        if sa.keys() != sb.keys() or not all(torch.equal(sa[k], sb[k]) for k in sa):
+            return False
+    return True
+
+
+def capture_step(optimizer: torch.optim.Optimizer) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP_STEPS):
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        optimizer.step()
+    return graph
+
+
+def measure_graph(ctx: BenchContext, case: OptimCase) -> dict:
+    """graphsafe's step captured once and replayed; first GRAPH_CHECK_REPLAYS replays vs as many eager steps."""
+    record = _base_record(ctx, case, "graphsafe", "graphsafe (CUDA graph replay)")
+    if ctx.device.type != "cuda":
+        return record | {"skipped": "CUDA graphs need a CUDA device"}
+    captured = eager = graph = None
+    stream = torch.cuda.current_stream()
+    try:
+        captured = graphsafe_optimizer(case.algorithm, make_params(case, ctx.device, ctx.seed))
+        graph = capture_step(captured)
+        for _ in range(GRAPH_CHECK_REPLAYS):
+            graph.replay()
+        eager = graphsafe_optimizer(case.algorithm, make_params(case, ctx.device, ctx.seed))
+        for _ in range(GRAPH_WARMUP_STEPS + GRAPH_CHECK_REPLAYS):
+            eager.step()
+        record["replay_equals_eager"] = _equal_steps(captured, eager)
+        eager = None
+        _release(ctx.device)
+        moved = min_bytes(captured)
+        timing, host_ms = time_steps(graph.replay, [()], ctx)
+        record |= _timing_fields(ctx, timing, host_ms, moved)
+        record |= {"bytes_per_element": round(moved / case.total, 3), "input_sets": 1}
+    except Exception as exc:  # a failed capture is a result too; leave the device usable for the rest
+        record["error"] = first_line(exc)
+        torch.cuda.set_stream(stream)  # torch.cuda.graph leaves its capture stream current when capture fails
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - the error is already recorded
+            pass
+    finally:
+        del captured, eager, graph
+        _release(ctx.device)
+    return record
+
+
+def run_suite(ctx: BenchContext) -> list[dict]:
+    records = []
+
+    def emit(record: dict) -> dict:
+        ctx.emit(record)
+        records.append(record)
+        return record
+
+    for case in compare_cases(ctx.quick):
+        theirs = emit(measure_method(ctx, case, "torch"))
+        emit(measure_method(ctx, case, "graphsafe", theirs.get("ms_median")))
+    for case in algorithm_cases(ctx.quick):
+        emit(measure_method(ctx, case, "graphsafe"))
+    for case in graph_cases(ctx.quick):
+        emit(measure_graph(ctx, case))
+    return records
+
+
+# ---- targets and report ----
+
+
+def _index(records: list[dict]) -> dict[tuple[str, str, str], dict]:
+    return {(r["group"], r["case"], r["method"]): r for r in records if r.get("record") == "measurement"}
+
+
+def evaluate_targets(records: list[dict], ctx: BenchContext) -> list[Target]:
+    found = _index(records)
+    head = headline_case(ctx.quick)
+    ours = found.get(("compare", head.label, "graphsafe"), {})
+    targets = [
+        _absolute_target(f"{head.label}: graphsafe ≥ {TARGET_PCT_COPY_BW:.0f}% of copy BW", ours, "pct_copy_bw",
+                         TARGET_PCT_COPY_BW, higher_is_better=True, unit="%", ctx=ctx),
+        _absolute_target(f"{head.label}: graphsafe median ≤ {TARGET_MS:.2f} ms", ours, "ms_median", TARGET_MS,
+                         higher_is_better=False, unit=" ms", ctx=ctx),
+    ]
+    for case in compare_cases(ctx.quick):
+        targets.append(_relative_target(case, found.get(("compare", case.label, "graphsafe"), {}),
+                                        found.get(("compare", case.label, "torch"), {}), ctx))
+    return targets
+
+
+def _absolute_target(description, ours, key, limit, *, higher_is_better, unit, ctx) -> Target:
+    threshold = f"{'≥' if higher_is_better else '≤'} {limit:g}{unit}"
+    if key not in ours:
+        return Target("optim", description, "ERROR", threshold=threshold, note=ours.get("error", "missing"))
+    value = f"{ours[key]:.3f}{unit}" if unit == " ms" else f"{ours[key]:.1f}{unit}"
+    if ctx.quick:
+        return Target("optim", description, "SKIP", value, threshold, "target is for full sizes")
+    met = ours[key] >= limit if higher_is_better else ours[key] <= limit
+    note = "" if ctx.device.type == "cuda" else "target is for an H200"
+    return Target("optim", description, "PASS" if met else "MISS", value, threshold, note)
+
+
+def _relative_target(case: OptimCase, ours: dict, theirs: dict, ctx: BenchContext) -> Target:
+    impl = theirs.get("impl", "fused")
+    description = f"{case.label}: graphsafe ≤ torch {impl}"
+    if "ms_median" not in ours or "ms_median" not in theirs:
+        note = ours.get("error") or theirs.get("error") or "missing"
+        return Target("optim", description, "ERROR", note=note)
+    value = f"{ours['ms_median']:.3f} vs {theirs['ms_median']:.3f} ms"
+    status = "PASS" if ours["ms_median"] <= theirs["ms_median"] else "MISS"
+    return Target("optim", description, status, value, f"≤ torch {impl}", "quick sizes" if ctx.quick else "")
+
+
+def _method_name(record: dict) -> str:
+    return "graphsafe" if record["method"] == "graphsafe" else f"torch {record['impl']}"
+
+
+def _timing_cells(record: dict | None) -> list[str]:
+    if not record or "ms_median" not in record:
+        return ["-"] * 5
+    return [fmt_ms(record["ms_median"]), fmt_ms(record["ms_min"]), fmt_ms(record["host_ms"]),
+            fmt_float(record["gbps"]), fmt_float(record["pct_copy_bw"])]
+
+
+def render(records: list[dict], ctx: BenchContext) -> str:
+    found = _index(records)
+    errors = [f"- {r['group']} {r['case']} {_method_name(r)}: {r['error']}" for r in found.values() if "error" in r]
+    parts = [f"## optimizer step: graphsafe vs torch.optim ({ctx.describe_device()})", _compare_table(found, ctx),
+             "### all nine graphsafe algorithms", _algorithms_table(found, ctx),
+             "### graphsafe AdamW step captured in a CUDA graph", _graph_table(found, ctx), _legend(records, ctx)]
+    if errors:
+        parts.append("Errors:\n" + "\n".join(errors))
+    return "\n\n".join(parts)
+
+
+def _compare_table(found: dict, ctx: BenchContext) -> str:
+    headers = ("case", "method", "state dtype", "B/elem", "ms median", "ms min", "host ms", "GB/s", "% copy BW",
+               "× vs torch")
+    rows = []
+    for case in compare_cases(ctx.quick):
+        for method in ("graphsafe", "torch"):
+            r = found.get(("compare", case.label, method))
+            if r is None:
+                continue
+            speedup = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+            rows.append((case.label, _method_name(r), r.get("state_dtype", "-"),
+                         fmt_float(r.get("bytes_per_element"), 0), *_timing_cells(r), speedup))
+    return markdown_table(headers, rows, (False, False, False) + (True,) * 7)
+
+
+def _algorithms_table(found: dict, ctx: BenchContext) -> str:
+    headers = ("algorithm", "states (fp32)", "B/elem", "ms median", "ms min", "host ms", "GB/s", "% copy BW (roofline)",
+               "note")
+    rows = []
+    for case in algorithm_cases(ctx.quick):
+        r = found.get(("algorithms", case.label, "graphsafe"))
+        if r is None:
+            continue
+        note = "2 passes; bytes of 1" if case.algorithm in TWO_PASS else ""
+        options = OPTIONS.get(case.algorithm)
+        if options:
+            note = ", ".join(f"{k}={v:g}" for k, v in options.items()) + (f"; {note}" if note else "")
+        rows.append((case.label, ", ".join(r.get("states", [])) or "-", fmt_float(r.get("bytes_per_element"), 0),
+                     *_timing_cells(r), note))
+    return markdown_table(headers, rows, (False, False) + (True,) * 6 + (False,))
+
+
+def _graph_table(found: dict, ctx: BenchContext) -> str:
+    headers = ("case", "eager ms", "replay ms", "eager host ms", "replay host ms", "replay % copy BW",
+               "replay = eager bitwise")
+    rows = []
+    for case in graph_cases(ctx.quick):
+        r = found.get(("graph", case.label, "graphsafe"), {})
+        eager = found.get(("compare", case.label, "graphsafe"), {})
+        if "skipped" in r:
+            rows.append((case.label, fmt_ms(eager.get("ms_median")), f"n/a ({ctx.device.type})", "-", "-", "-", "-"))
+            continue
+        rows.append((case.label, fmt_ms(eager.get("ms_median")), fmt_ms(r.get("ms_median")),
+                     fmt_ms(eager.get("host_ms")), fmt_ms(r.get("host_ms")), fmt_float(r.get("pct_copy_bw")),
+                     fmt_bool(r.get("replay_equals_eager"))))
+    return markdown_table(headers, rows, (False,) + (True,) * 5 + (False,))
+
+
+def _legend(records: list[dict], ctx: BenchContext) -> str:
+    fallbacks = sorted({(r["algorithm"], r["dtype"], r["fused_unavailable"])
+                        for r in records if "fused_unavailable" in r})
+    timer = "CUDA events, the host queueing steps ahead" if ctx.device.type == "cuda" else "time.perf_counter"
+    lines = [
+        "What is timed: one whole optimizer.step() (bookkeeping, state and step-counter updates, every launch), "
+        f"{timer}. Gradients ~ N(0,1) are set once; each optimizer steps once before the timer's warm-up, so its "
+        "state exists; the same parameters are then stepped again and again. n tensors: sizes summing to the "
+        "total, split equally, each its own allocation.",
+        f"Min bytes = {BYTES_FORMULA}, with the states each method actually holds: graphsafe keeps fp32 states "
+        "for every param dtype, torch keeps them in the param dtype (so bf16 AdamW: graphsafe 22 B/elem, torch "
+        "14). LAMB and LARS read the tensors twice (norms, then update); they are charged one pass, the "
+        "roofline. GB/s = min bytes / median; % copy BW against the copy above (100% = the step at copy speed).",
+        "host ms: median wall time of the step() call on the host; on CUDA, where it approaches ms median the "
+        "step is bound by the host, not by the device. × vs torch = torch's median / graphsafe's (> 1: faster).",
+        "Hyperparameters: AdamW lr=1e-3 weight_decay=1e-2, SGD lr=1e-3 momentum=0.9 (both libraries); other "
+        "algorithms: graphsafe's defaults. skip_zeros off.",
+        f"CUDA graph: {GRAPH_WARMUP_STEPS} eager steps on a side stream, one step captured, replayed; the first "
+        f"{GRAPH_CHECK_REPLAYS} replays are compared bitwise (params, states, step) with the same number of eager "
+        "steps from the same start. eager ms: the compare row of the same case.",
+    ]
+    if ctx.quick:
+        lines.append(f"Quick sizes: element counts of the full cases divided by {QUICK_DIVISOR}; "
+                     f"full sizes total {', '.join(fmt_count(t) for t in FULL_TOTALS)} "
+                     f"(fp32 AdamW at {fmt_count(FULL_TOTALS[-1])} moves {fmt_bytes(FULL_TOTALS[-1] * 28)} a step).")
+    for algorithm, dtype, reason in fallbacks:
+        lines.append(f"torch {algorithm} {dtype}: fused=True does not run here ({reason}); foreach=True is timed.")
+    return "\n".join(lines)
+
+
+SUITE = register_suite(
+    Suite(
+        name="optim",
+        description="optimizer step: graphsafe vs torch.optim fused (AdamW, SGD), nine algorithms, CUDA graph replay",
+        run=run_suite,
+        targets=evaluate_targets,
+        render=render,
+    )
+)
