@@ -159,14 +159,14 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, params: list[Tensor]) -> None:
+        options = self._options(group)
+        _C.optim_validate(self.algorithm, options)  # before anything changes: a rejected step changes nothing
         grads = [self._check_grad(p, p.grad) for p in params]
         names = self._state_names(group)
         states = [self._state_of(group, p, names) for p in params]
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
-        options = self._options(group)
-        _C.optim_validate(self.algorithm, options)  # before the counters move: a rejected step changes nothing
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)  # one launch on CUDA
         numels = [p.numel() for p in params]
