@@ -129,6 +129,25 @@ __device__ void add_partial(Acc (&acc)[VEC], const Acc* __restrict__ partials, i
 constexpr int kZeroUnitsPerThread = 16;
 constexpr int64_t kZeroUnitsPerBlock = int64_t(kThreads) * kZeroUnitsPerThread;
 
+// acc += partials[slot(i)] for i = first..last in order; kAhead rows are loaded before they are added.
+template <class Acc, int VEC, class Slot>
+__device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ partials, int64_t first, int64_t last,
+                                      Slot slot, int64_t dim, int64_t v) {
+  constexpr int kAhead = 4;
+  for (int64_t ahead = first; ahead <= last; ahead += kAhead) {
+    Pack<Acc, VEC> pieces[kAhead];
+#pragma unroll
+    for (int b = 0; b < kAhead; ++b)
+      if (ahead + b <= last) pieces[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(partials + slot(ahead + b) * dim + v * VEC);
+#pragma unroll
+    for (int b = 0; b < kAhead; ++b)
+      if (ahead + b <= last) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] += pieces[b].v[k];
+      }
+  }
+}
+
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t total_vectors,
@@ -214,7 +233,6 @@ __global__ void __launch_bounds__(kThreads)
                        const uint2* __restrict__ tile_pieces,
                        typename ElementTraits<T>::Acc* __restrict__ group_partials, int group) {
   using Acc = typename ElementTraits<T>::Acc;
-  constexpr int kTilesAhead = 4;  // tile records and partials loaded before they are added, in order
   const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t tiles = tile_count(n);
   if (tile >= tiles) return;
@@ -242,19 +260,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
       add_partial<Acc, VEC>(acc, tile_partials, piece_slot(tile, began_earlier), dim, v);
-      for (int64_t ahead = tile + 1; ahead <= last; ahead += kTilesAhead) {
-        Pack<Acc, VEC> pieces[kTilesAhead];
-#pragma unroll
-        for (int b = 0; b < kTilesAhead; ++b)
-          if (ahead + b <= last)
-            pieces[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(tile_partials + piece_slot(ahead + b, true) * dim + v * VEC);
-#pragma unroll
-        for (int b = 0; b < kTilesAhead; ++b)
-          if (ahead + b <= last) {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) acc[k] += pieces[b].v[k];
-          }
-      }
+      add_partials_in_order<Acc, VEC>(acc, tile_partials, tile + 1, last,
+                                      [](int64_t t) { return piece_slot(t, true); }, dim, v);
       if (!began_earlier && !goes_on)
         store_row_vector<T, VEC>(out, row, dim, v, acc, count, scale_grad_by_freq);
       else
@@ -283,25 +290,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row_end = upper_bound(keys, group_end, n, row);
   const int64_t last_group = (row_end - 1) / kGroupSpan;
   const int64_t count = row_end - row_begin;
-  constexpr int kGroupsAhead = 4;  // group pieces loaded before they are added, in order
   for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc total[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) total[k] = Acc(0);
     add_partial<Acc, VEC>(total, group_partials, piece_slot(tile_group, false), dim, v);
-    for (int64_t ahead = tile_group + 1; ahead <= last_group; ahead += kGroupsAhead) {
-      Pack<Acc, VEC> pieces[kGroupsAhead];
-#pragma unroll
-      for (int b = 0; b < kGroupsAhead; ++b)
-        if (ahead + b <= last_group)
-          pieces[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(group_partials + piece_slot(ahead + b, true) * dim + v * VEC);
-#pragma unroll
-      for (int b = 0; b < kGroupsAhead; ++b)
-        if (ahead + b <= last_group) {
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) total[k] += pieces[b].v[k];
-        }
-    }
+    add_partials_in_order<Acc, VEC>(total, group_partials, tile_group + 1, last_group,
+                                    [](int64_t u) { return piece_slot(u, true); }, dim, v);
     store_row_vector<T, VEC>(out, row, dim, v, total, count, scale_grad_by_freq);
   }
 }

@@ -33,17 +33,23 @@ struct ElementView {
   }
 };
 
-template <class T>
-void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e) {
+// Applies rule(g, p, s) to every element whose gradient is not skipped; skipped elements are not written.
+template <class T, class Rule>
+void update_elements(const OptimOptions& o, const ElementView<T>& e, Rule rule) {
 #pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t i = 0; i < e.t.numel; ++i) {
     const float g = e.grad(i);
     if (skipped(o, g)) continue;
     float p = e.param(i), s[4];
     e.load_states(i, s);
-    elementwise_step(o, k, g, p, s);
+    rule(g, p, s);
     e.store(i, p, s);
   }
+}
+
+template <class T>
+void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e) {
+  update_elements(o, e, [&](float g, float& p, float* s) { elementwise_step(o, k, g, p, s); });
 }
 
 template <class T>
@@ -70,16 +76,8 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T
     total.param += chunk_norms[2 * c];
     total.update += chunk_norms[2 * c + 1];
   }
-  *factor = layerwise_factor(o, k, total);
-#pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
-  for (int64_t i = 0; i < e.t.numel; ++i) {
-    const float g = e.grad(i);
-    if (skipped(o, g)) continue;
-    float p = e.param(i), s[4];
-    e.load_states(i, s);
-    layerwise_apply(o, k, *factor, g, p, s);
-    e.store(i, p, s);
-  }
+  const float f = *factor = layerwise_factor(o, k, total);
+  update_elements(o, e, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
 }
 
 template <class T>
