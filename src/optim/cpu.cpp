@@ -18,42 +18,62 @@ using namespace optim_detail;
 // idle OpenMP threads very expensive), so small tensors run on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 16;
 
-template <class T>
+// One tensor's elements; States is the algorithm's state count, fixed at compile time so the loops over
+// states unroll and the element loop can vectorise.
+template <class T, int States>
 struct ElementView {
   const OptimTensor& t;
-  int states;
   float grad(int64_t i) const { return ElementTraits<T>::load(static_cast<const T*>(t.grad)[i]); }
   float param(int64_t i) const { return ElementTraits<T>::load(static_cast<T*>(t.param)[i]); }
   void load_states(int64_t i, float* s) const {
-    for (int j = 0; j < states; ++j) s[j] = t.state[j][i];
+    for (int j = 0; j < States; ++j) s[j] = t.state[j][i];
+  }
+  void store_states(int64_t i, const float* s) const {
+    for (int j = 0; j < States; ++j) t.state[j][i] = s[j];
   }
   void store(int64_t i, float p, const float* s) const {
     static_cast<T*>(t.param)[i] = ElementTraits<T>::store(p);
-    for (int j = 0; j < states; ++j) t.state[j][i] = s[j];
+    store_states(i, s);
   }
 };
 
-// Applies rule(g, p, s) to every element whose gradient is not skipped; skipped elements are not written.
-template <class T, class Rule>
-void update_elements(const OptimOptions& o, const ElementView<T>& e, Rule rule) {
+// Applies rule(g, p, s) to every element whose gradient is not skipped. The rule runs on every element and
+// skipped ones get their loaded values back (the same bits): a loop without branches vectorises.
+template <class T, int States, class Rule>
+void update_elements(const OptimOptions& o, const ElementView<T, States>& e, Rule rule) {
+  T* const param = static_cast<T*>(e.t.param);
 #pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t i = 0; i < e.t.numel; ++i) {
     const float g = e.grad(i);
-    if (skipped(o, g)) continue;
-    float p = e.param(i), s[4];
-    e.load_states(i, s);
+    const T p_before = param[i];  // kept as raw bits: a skipped NaN parameter keeps its exact payload
+    float p = ElementTraits<T>::load(p_before), s_before[4] = {}, s[4] = {};
+    e.load_states(i, s_before);
+    for (int j = 0; j < States; ++j) s[j] = s_before[j];
     rule(g, p, s);
-    e.store(i, p, s);
+    const bool keep = skipped(o, g);
+    for (int j = 0; j < States; ++j) s[j] = keep ? s_before[j] : s[j];
+    param[i] = keep ? p_before : ElementTraits<T>::store(p);
+    e.store_states(i, s);
   }
 }
 
-template <class T>
-void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e) {
-  update_elements(o, e, [&](float g, float& p, float* s) { elementwise_step(o, k, g, p, s); });
+// The algorithm is chosen once per tensor, not per element.
+template <class T, int States>
+void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T, States>& e) {
+  switch (o.algorithm) {
+    case OptimAlgorithm::Adam: return update_elements(o, e, [&](float g, float& p, float* s) { adam(o, k, g, p, s, false); });
+    case OptimAlgorithm::AdamW: return update_elements(o, e, [&](float g, float& p, float* s) { adam(o, k, g, p, s, true); });
+    case OptimAlgorithm::SGD: return update_elements(o, e, [&](float g, float& p, float* s) { sgd(o, k, g, p, s); });
+    case OptimAlgorithm::RMSprop: return update_elements(o, e, [&](float g, float& p, float* s) { rmsprop(o, k, g, p, s); });
+    case OptimAlgorithm::Adagrad: return update_elements(o, e, [&](float g, float& p, float* s) { adagrad(o, k, g, p, s); });
+    case OptimAlgorithm::Lion: return update_elements(o, e, [&](float g, float& p, float* s) { lion(o, k, g, p, s); });
+    case OptimAlgorithm::AdEMAMix: return update_elements(o, e, [&](float g, float& p, float* s) { ademamix(o, k, g, p, s); });
+    default: return;  // LAMB and LARS: layerwise()
+  }
 }
 
-template <class T>
-void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T>& e, float* chunk_norms,
+template <class T, int States>
+void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T, States>& e, float* chunk_norms,
                float* factor) {
   const int64_t chunks = chunk_count(e.t.numel);
 #pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
@@ -61,10 +81,10 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T
     SquaredNorms sum{0.0f, 0.0f};
     const int64_t end = std::min(e.t.numel, (c + 1) * kChunkElements);
     for (int64_t i = c * kChunkElements; i < end; ++i) {
-      float s[4];
+      float s[4] = {};
       e.load_states(i, s);
       const SquaredNorms n = layerwise_measure(o, k, e.grad(i), e.param(i), s);
-      for (int j = 0; j < e.states; ++j) e.t.state[j][i] = s[j];  // LAMB's moments
+      e.store_states(i, s);  // LAMB's moments
       sum.param += n.param;
       sum.update += n.update;
     }
@@ -80,14 +100,13 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T
   update_elements(o, e, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
 }
 
-template <class T>
+template <class T, int States>
 void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, std::size_t factors_offset) {
   const OptimOptions& o = a.options;
-  const int states = optim_state_count(o);
   const float lr = *a.lr;
   int64_t chunk_base = 0;
   for (int t = 0; t < count; ++t) {
-    const ElementView<T> e{tensors[t], states};
+    const ElementView<T, States> e{tensors[t]};
     const Coefficients k = coefficients(o, lr, *tensors[t].step);
     if (is_layerwise(o.algorithm)) {
       layerwise(o, k, e, workspace + 2 * chunk_base, workspace + factors_offset + t);
@@ -95,6 +114,17 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
     } else {
       elementwise(o, k, e);
     }
+  }
+}
+
+template <class T>
+void run_typed(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* ws, std::size_t factors) {
+  switch (optim_state_count(a.options)) {
+    case 0: return run<T, 0>(a, tensors, count, ws, factors);
+    case 1: return run<T, 1>(a, tensors, count, ws, factors);
+    case 2: return run<T, 2>(a, tensors, count, ws, factors);
+    case 3: return run<T, 3>(a, tensors, count, ws, factors);
+    default: throw std::logic_error("unexpected optimizer state count");
   }
 }
 
@@ -112,9 +142,9 @@ void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int coun
   auto* ws = static_cast<float*>(workspace);
   const std::size_t factors = layerwise_layout(numels.data(), count).factors_offset;
   switch (a.param_dtype) {
-    case DType::Float32: run<float>(a, tensors, count, ws, factors); break;
-    case DType::Float16: run<f16_t>(a, tensors, count, ws, factors); break;
-    case DType::BFloat16: run<bf16_t>(a, tensors, count, ws, factors); break;
+    case DType::Float32: run_typed<float>(a, tensors, count, ws, factors); break;
+    case DType::Float16: run_typed<f16_t>(a, tensors, count, ws, factors); break;
+    case DType::BFloat16: run_typed<bf16_t>(a, tensors, count, ws, factors); break;
     default: break;
   }
 }
