@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, C++ tests, CUDA pytest files, benchmarks. Logs go to $OUT.
-# Usage (device tool): bash tools/device_check.sh [commit]   with .deps/googletest carried (see README).
+# The GPU image has no GoogleTest: before the call, here, `mkdir -p .deps && cp -r /usr/src/googletest .deps/`
+# and `echo /.deps/ >> .git/info/exclude`; then run (device tool) `bash tools/device_check.sh <commit>` with
+# carry [".deps"]. PYTEST_FILES, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export GRAPHSAFE_COMMIT=${1:-unknown} PYTHONUNBUFFERED=1
