@@ -2,7 +2,9 @@
 //
 // fp16 and bf16 travel as 16-bit storage structs in both backends so that kernels and CPU loops are the
 // same templates. On the device the conversions use CUDA's intrinsics; on the host a bit-exact software
-// version (round to nearest even, like the intrinsics), so both backends round identically.
+// version (round to nearest even, like the intrinsics), so both backends round every non-NaN value
+// identically. NaN payloads may differ (the device returns a canonical NaN); results that must agree
+// bitwise canonicalise NaN first (see ElementTraits::canonical_nan).
 #pragma once
 
 #include <cstdint>

@@ -50,7 +50,9 @@ void validate_optim_options(const OptimOptions& o) {
       require(in_unit(o.beta2), "betas[1] must be in [0, 1), got " + value(o.beta2));
       require(in_unit(o.beta3), "betas[2] must be in [0, 1), got " + value(o.beta3));
       require(std::isfinite(o.mix_alpha) && o.mix_alpha >= 0.0, "alpha must be >= 0, got " + value(o.mix_alpha));
-      require(o.alpha_warmup >= 0.0 && o.beta3_warmup >= 0.0, "warm-up lengths must be >= 0");
+      require(std::isfinite(o.alpha_warmup) && std::isfinite(o.beta3_warmup) && o.alpha_warmup >= 0.0 &&
+                  o.beta3_warmup >= 0.0,
+              "warm-up lengths must be finite and >= 0");
       require(o.beta3_warmup == 0.0 || (o.beta1 > 0.0 && o.beta3 > 0.0),
               "the beta3 warm-up needs betas[0] > 0 and betas[2] > 0");
       break;

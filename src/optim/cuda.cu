@@ -103,7 +103,7 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
       bool changed = false;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        float s[4];
+        float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
         for (int j = 0; j < States; ++j) s[j] = reinterpret_cast<const float*>(&s4[j])[e];
         float p = ElementTraits<T>::load(p4.v[e]);
@@ -121,7 +121,7 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
       }
     } else {
       for (int64_t i = base; i < min(base + kVec, w.end); ++i) {
-        float s[4];
+        float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
         for (int j = 0; j < States; ++j) s[j] = table.state[j][w.tensor][i];
         float p = ElementTraits<T>::load(param[i]);
@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const f
   }
 }
 
-// Blocks one launch uses: all chunks, at most what the GPU keeps resident (8 blocks of 256 per SM).
+// Blocks one launch uses: all chunks, at most 8 blocks of 256 per SM (about what fits resident; the
+// register-heavier LAMB/LARS kernels fit fewer, and the extra blocks simply wait).
 int64_t grid_for(int64_t blocks) {
   int device = 0, sms = 0;
   GS_CUDA_CHECK(cudaGetDevice(&device));

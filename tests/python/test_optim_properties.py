@@ -492,3 +492,35 @@ def test_non_contiguous_grad_gives_same_bits(case):
     opt_b = run_steps(case, b, [[g.t().contiguous().t()] for g in grads])  # same values, column-major
     assert not grads[0].t().contiguous().t().is_contiguous()
     assert_same_run(opt_a, a, opt_b, b, f"{case} contiguous vs strided grad")
+
+
+def test_load_torch_optim_state_dict_widens_half_states():
+    """A torch.optim.AdamW state_dict over bf16 parameters (bf16 states, CPU step) loads into
+    graphsafe.optim.AdamW: states become fp32 of the parameter's shape, and stepping continues."""
+    torch.manual_seed(3)
+    p_torch = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    opt_torch = torch.optim.AdamW([p_torch], lr=1e-2)
+    p_torch.grad = torch.randn(64, dtype=torch.bfloat16)
+    opt_torch.step()
+    p = torch.nn.Parameter(p_torch.detach().clone())
+    opt = graphsafe.optim.AdamW([p], lr=1e-2)
+    opt.load_state_dict(opt_torch.state_dict())
+    state = opt.state[p]
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].shape == p.shape
+    assert state["exp_avg_sq"].dtype == torch.float32
+    assert state["step"].dtype == torch.float32 and float(state["step"]) == 1.0
+    torch.testing.assert_close(state["exp_avg"], opt_torch.state[p_torch]["exp_avg"].float())
+    p.grad = torch.randn(64, dtype=torch.bfloat16)
+    opt.step()
+    assert float(state["step"]) == 2.0
+
+
+def test_load_state_dict_rejects_a_state_of_the_wrong_shape():
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = graphsafe.optim.Adam([p])
+    p.grad = torch.randn(8)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["exp_avg"] = torch.zeros(4)
+    with pytest.raises(ValueError, match="shape"):
+        graphsafe.optim.Adam([torch.nn.Parameter(torch.randn(8))]).load_state_dict(saved)

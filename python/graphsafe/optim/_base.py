@@ -116,8 +116,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     # ---- the step ----
 
     def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str]) -> dict[str, Tensor]:
-        """p's state, created on its first step; a state an option turned on later (e.g. SGD momentum set
-        after the first step) starts from its initial value, as torch starts it then."""
+        """p's state, created on its first step. A state an option turns on later (e.g. SGD momentum set
+        after the first step) starts from its initial value (zeros; torch's SGD would start the buffer as a
+        copy of the gradient, which differs only when dampening != 0)."""
         state = self.state[p]
         if len(state) != len(names) + 1:
             state.setdefault("step", torch.zeros((), dtype=torch.float32, device=p.device))
@@ -166,6 +167,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         states = [self._state_of(group, p, names) for p in params]
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
+            if not isinstance(lr, Tensor) and float(lr) < 0.0:
+                raise ValueError(f"Invalid learning rate: {lr}")
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)  # one launch on CUDA
@@ -194,8 +197,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict from any graphsafe optimizer of the same algorithm, on any device.
 
-        Unlike torch.optim.Optimizer.load_state_dict, tensors keep their dtype (states stay fp32 for
-        fp16/bf16 parameters) and only move to their parameter's device; lr moves with its group.
+        Unlike torch.optim.Optimizer.load_state_dict, states stay fp32 for fp16/bf16 parameters (a
+        torch.optim state_dict's half states are widened) and move to their parameter's device; lr moves
+        with its group. A state of the wrong shape raises ValueError.
         """
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -229,3 +233,27 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             new["lr"] = _lr_tensor(new["lr"], device)
             groups.append(new)
         self.__setstate__({"state": state, "param_groups": groups})
+        self._conform_loaded_state()
+
+    def _conform_loaded_state(self) -> None:
+        """The core writes states through raw addresses, so every loaded state must be what the kernels
+        expect: fp32 (a torch.optim state_dict keeps bf16/fp16 states for half parameters: widened here),
+        contiguous, the parameter's shape, on its device; step a 0-d fp32 tensor there."""
+        for group in self.param_groups:
+            names = self._state_names(group)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                step = state.get("step", 0.0)
+                state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
+                for name in names:
+                    if name not in state:
+                        continue
+                    value = state[name]
+                    if not isinstance(value, Tensor) or value.shape != p.shape:
+                        raise ValueError(
+                            f"{type(self).__name__}.load_state_dict: state '{name}' has shape "
+                            f"{tuple(getattr(value, 'shape', ()))}, its parameter {tuple(p.shape)}"
+                        )
+                    state[name] = value.detach().to(device=p.device, dtype=torch.float32).contiguous()
