@@ -503,7 +503,7 @@ def test_load_torch_optim_state_dict_widens_half_states():
     p_torch.grad = torch.randn(64, dtype=torch.bfloat16)
     opt_torch.step()
     p = torch.nn.Parameter(p_torch.detach().clone())
-    opt = graphsafe.optim.AdamW([p], lr=1e-2)
+    opt = go.AdamW([p], lr=1e-2)
     opt.load_state_dict(opt_torch.state_dict())
     state = opt.state[p]
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].shape == p.shape
@@ -517,10 +517,10 @@ def test_load_torch_optim_state_dict_widens_half_states():
 
 def test_load_state_dict_rejects_a_state_of_the_wrong_shape():
     p = torch.nn.Parameter(torch.randn(8))
-    opt = graphsafe.optim.Adam([p])
+    opt = go.Adam([p])
     p.grad = torch.randn(8)
     opt.step()
     saved = opt.state_dict()
     saved["state"][0]["exp_avg"] = torch.zeros(4)
     with pytest.raises(ValueError, match="shape"):
-        graphsafe.optim.Adam([torch.nn.Parameter(torch.randn(8))]).load_state_dict(saved)
+        go.Adam([torch.nn.Parameter(torch.randn(8))]).load_state_dict(saved)

@@ -224,11 +224,14 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         groups = []
         for group, saved in zip(self.param_groups, saved_groups):
             device = self._group_device(group)
-            new = {
+            # Options the saved groups lack (a torch.optim state_dict has no skip_zeros, ...) keep this
+            # optimizer's values; everything saved wins, as in torch.
+            new = {k: v for k, v in group.items() if k != "params"}
+            new.update({
                 k: v.detach().to(device=device, copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)
                 for k, v in saved.items()
                 if k != "params"
-            }
+            })
             new["params"] = group["params"]
             new["lr"] = _lr_tensor(new["lr"], device)
             groups.append(new)
