@@ -97,27 +97,32 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
     if (wide && base + kVec <= w.end) {
       const Pack<T, kVec> g4 = *reinterpret_cast<const Pack<T, kVec>*>(grad + base);
       Pack<T, kVec> p4 = *reinterpret_cast<const Pack<T, kVec>*>(param + base);
-      float4 s4[States > 0 ? States : 1];
+      // States as plain per-element registers (indexed only by unrolled constants), moved as float4.
+      float sv[States > 0 ? States : 1][kVec];
 #pragma unroll
-      for (int j = 0; j < States; ++j) s4[j] = *reinterpret_cast<const float4*>(table.state[j][w.tensor] + base);
+      for (int j = 0; j < States; ++j) {
+        const float4 v = *reinterpret_cast<const float4*>(table.state[j][w.tensor] + base);
+        sv[j][0] = v.x; sv[j][1] = v.y; sv[j][2] = v.z; sv[j][3] = v.w;
+      }
       bool changed = false;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
-        for (int j = 0; j < States; ++j) s[j] = reinterpret_cast<const float*>(&s4[j])[e];
+        for (int j = 0; j < States; ++j) s[j] = sv[j][e];
         float p = ElementTraits<T>::load(p4.v[e]);
         if (body(ElementTraits<T>::load(g4.v[e]), p, s)) {
           changed = true;
           p4.v[e] = ElementTraits<T>::store(p);
 #pragma unroll
-          for (int j = 0; j < States; ++j) reinterpret_cast<float*>(&s4[j])[e] = s[j];
+          for (int j = 0; j < States; ++j) sv[j][e] = s[j];
         }
       }
       if (changed) {
         *reinterpret_cast<Pack<T, kVec>*>(param + base) = p4;
 #pragma unroll
-        for (int j = 0; j < States; ++j) *reinterpret_cast<float4*>(table.state[j][w.tensor] + base) = s4[j];
+        for (int j = 0; j < States; ++j)
+          __stwb(reinterpret_cast<float4*>(table.state[j][w.tensor] + base), make_float4(sv[j][0], sv[j][1], sv[j][2], sv[j][3]));
       }
     } else {
       for (int64_t i = base; i < min(base + kVec, w.end); ++i) {
