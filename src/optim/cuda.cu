@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/cuda_check.h"
+#include "common/launch.h"
 #include "graphsafe/optim.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
@@ -234,18 +235,21 @@ template <class T, int States>
 void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t blocks, float* workspace,
                   std::size_t factors_offset, cudaStream_t stream) {
   if (blocks == 0) return;
+  constexpr auto elementwise = &elementwise_kernel<T, States>;  // named: GS_LAUNCH takes one token
+  constexpr auto measure = &measure_kernel<T, States>;
+  constexpr auto apply = &apply_kernel<T, States>;
   const OptimOptions& o = a.options;
   const int64_t grid = grid_for(blocks);
   if (!is_layerwise(o.algorithm)) {
-    elementwise_kernel<T, States><<<grid, kThreads, 0, stream>>>(o, a.lr, table, blocks);
+    GS_LAUNCH(elementwise, grid, kThreads, stream, o, a.lr, table, blocks);
     GS_CUDA_CHECK_LAUNCH();
     return;
   }
-  measure_kernel<T, States><<<grid, kThreads, 0, stream>>>(o, a.lr, table, blocks, workspace);
+  GS_LAUNCH(measure, grid, kThreads, stream, o, a.lr, table, blocks, workspace);
   GS_CUDA_CHECK_LAUNCH();
-  factor_kernel<<<1, kMaxTensors, 0, stream>>>(o, a.lr, table, workspace, workspace + factors_offset);
+  GS_LAUNCH(factor_kernel, 1, kMaxTensors, stream, o, a.lr, table, workspace, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
-  apply_kernel<T, States><<<grid, kThreads, 0, stream>>>(o, a.lr, table, blocks, workspace + factors_offset);
+  GS_LAUNCH(apply, grid, kThreads, stream, o, a.lr, table, blocks, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,57 @@
+// CPU stand-in for the CUDA runtime, for compiling a CUDA backend file as C++ (GRAPHSAFE_CUDA_EMULATION).
+// It takes the place of src/common/cuda_check.h (this folder comes first on the include path). Each block
+// runs as blockDim.x std::threads with a real barrier, one block after another, so kernels' indexing,
+// barriers and shared-memory use are exercised; the GPU's memory model and compiler are not.
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+
+struct EmuDim { unsigned x = 0, y = 0, z = 0; };
+inline thread_local EmuDim threadIdx, blockIdx;
+inline EmuDim gridDim, blockDim;
+inline std::barrier<>* emu_block_barrier = nullptr;
+
+inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(threads)
+#define __shared__ static  // one copy for all threads: blocks run one after another (emu_launch)
+#define __restrict__
+
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline void __stwb(float4* p, float4 v) { *p = v; }
+template <class A, class B> inline auto min(A a, B b) { return a < b ? a : b; }
+
+using cudaStream_t = void*;
+using cudaError_t = int;
+constexpr int cudaDevAttrMultiProcessorCount = 0;
+inline int cudaGetDevice(int* device) { *device = 0; return 0; }
+inline int cudaDeviceGetAttribute(int* value, int, int) { *value = 2; return 0; }  // 2 SMs: grids stay small
+#define GS_CUDA_CHECK(expr) (void)(expr)
+#define GS_CUDA_CHECK_LAUNCH() (void)0
+
+// Runs `kernel` for every block of the grid, each block as `threads` threads meeting at real barriers.
+inline void emu_launch(int64_t grid, int threads, const std::function<void()>& kernel) {
+  gridDim.x = static_cast<unsigned>(grid);
+  blockDim.x = static_cast<unsigned>(threads);
+  for (int64_t b = 0; b < grid; ++b) {
+    std::barrier<> barrier(threads);
+    emu_block_barrier = &barrier;
+    std::vector<std::thread> block;
+    for (int t = 0; t < threads; ++t)
+      block.emplace_back([&, b, t] {
+        blockIdx.x = static_cast<unsigned>(b);
+        threadIdx.x = static_cast<unsigned>(t);
+        kernel();
+      });
+    for (auto& thread : block) thread.join();
+  }
+}
