@@ -68,8 +68,13 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     # ---- what subclasses provide ----
 
     def _options(self, group: dict[str, Any]) -> dict[str, float]:
-        """The core's options for a param group ({name: number}, booleans as 0/1)."""
+        """The algorithm's own core options for a param group ({name: number}, booleans as 0/1);
+        maximize and skip_zeros, which every algorithm has, are added by _core_options."""
         raise NotImplementedError
+
+    def _core_options(self, group: dict[str, Any]) -> dict[str, float]:
+        return dict(self._options(group), maximize=1.0 if group["maximize"] else 0.0,
+                    skip_zeros=1.0 if group["skip_zeros"] else 0.0)
 
     def _state_names(self, group: dict[str, Any]) -> list[str]:
         """Names of the fp32 states the algorithm keeps per parameter, in the core's order."""
@@ -86,7 +91,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 raise ValueError("lr must be a number or a one-element tensor")
         elif float(group["lr"]) < 0.0:
             raise ValueError(f"Invalid learning rate: {group['lr']}")
-        _C.optim_validate(self.algorithm, self._options(group))
+        _C.optim_validate(self.algorithm, self._core_options(group))
         for p in group["params"]:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {p.dtype}")
@@ -160,7 +165,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, params: list[Tensor]) -> None:
-        options = self._options(group)
+        options = self._core_options(group)
         _C.optim_validate(self.algorithm, options)  # before anything changes: a rejected step changes nothing
         grads = [self._check_grad(p, p.grad) for p in params]
         names = self._state_names(group)

@@ -43,8 +43,7 @@ class Adam(GraphsafeOptimizer):
     def _options(self, group):
         beta1, beta2 = group["betas"]
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+                    weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]))
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
@@ -78,8 +77,7 @@ class SGD(GraphsafeOptimizer):
 
     def _options(self, group):
         return dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                    weight_decay=float(group["weight_decay"]), nesterov=_flag(group["nesterov"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+                    weight_decay=float(group["weight_decay"]), nesterov=_flag(group["nesterov"]))
 
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
@@ -100,8 +98,7 @@ class RMSprop(GraphsafeOptimizer):
 
     def _options(self, group):
         return dict(alpha=float(group["alpha"]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                    momentum=float(group["momentum"]), centered=_flag(group["centered"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+                    momentum=float(group["momentum"]), centered=_flag(group["centered"]))
 
     def _state_names(self, group):
         names = ["square_avg"]
@@ -129,8 +126,7 @@ class Adagrad(GraphsafeOptimizer):
 
     def _options(self, group):
         return dict(lr_decay=float(group["lr_decay"]), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), maximize=_flag(group["maximize"]),
-                    skip_zeros=_flag(group["skip_zeros"]))
+                    weight_decay=float(group["weight_decay"]))
 
     def _state_names(self, group):
         return ["sum"]
@@ -151,8 +147,7 @@ class Lion(GraphsafeOptimizer):
 
     def _options(self, group):
         beta1, beta2 = group["betas"]
-        return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+        return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
     def _state_names(self, group):
         return ["exp_avg"]
@@ -173,8 +168,7 @@ class LAMB(GraphsafeOptimizer):
     def _options(self, group):
         beta1, beta2 = group["betas"]
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+                    weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]))
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_sq"]
@@ -194,8 +188,7 @@ class LARS(GraphsafeOptimizer):
 
     def _options(self, group):
         return dict(momentum=float(group["momentum"]), weight_decay=float(group["weight_decay"]),
-                    trust_coefficient=float(group["trust_coefficient"]), eps=float(group["eps"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+                    trust_coefficient=float(group["trust_coefficient"]), eps=float(group["eps"]))
 
     def _state_names(self, group):
         return ["momentum_buffer"]
@@ -219,8 +212,7 @@ class AdEMAMix(GraphsafeOptimizer):
         beta1, beta2, beta3 = group["betas"]
         return dict(beta1=float(beta1), beta2=float(beta2), beta3=float(beta3), mix_alpha=float(group["alpha"]),
                     alpha_warmup=float(group["t_alpha"] or 0), beta3_warmup=float(group["t_beta3"] or 0),
-                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                    maximize=_flag(group["maximize"]), skip_zeros=_flag(group["skip_zeros"]))
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
 
     def _state_names(self, group):
         return ["exp_avg", "exp_avg_slow", "exp_avg_sq"]
