@@ -48,7 +48,7 @@ struct OptimTensor {
   void* param = nullptr;        // param dtype
   const void* grad = nullptr;   // same dtype as the parameter
   float* state[4] = {nullptr, nullptr, nullptr, nullptr};
-  const float* step = nullptr;  // this parameter's step number, 1 on its first step (incremented by the caller)
+  float* step = nullptr;  // this parameter's step number: 1 on its first step (see OptimStepArgs::increment_steps)
   int64_t numel = 0;
 };
 
@@ -56,6 +56,9 @@ struct OptimStepArgs {
   OptimOptions options;
   DType param_dtype = DType::Float32;  // Float32, Float16 or BFloat16 (params and grads)
   const float* lr = nullptr;           // one float: the learning rate
+  // Add 1 to every tensor's step before the update (true: the step saves the caller a launch; false: the
+  // caller has incremented them).
+  bool increment_steps = false;
 };
 
 // Number of fp32 state buffers the algorithm keeps per parameter, and their meaning, in order:

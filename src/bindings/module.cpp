@@ -201,7 +201,8 @@ NB_MODULE(_C, m) {
          const std::map<std::string, double>& options, const std::string& param_dtype, std::uintptr_t lr,
          const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
          const std::vector<std::vector<std::uintptr_t>>& states, const std::vector<std::uintptr_t>& steps,
-         const std::vector<int64_t>& numels, std::uintptr_t workspace, std::size_t workspace_bytes) {
+         const std::vector<int64_t>& numels, std::uintptr_t workspace, std::size_t workspace_bytes,
+         bool increment_steps) {
         const std::size_t count = params.size();
         if (grads.size() != count || states.size() != count || steps.size() != count || numels.size() != count)
           throw std::invalid_argument("optim_step: params, grads, states, steps and numels differ in length");
@@ -209,6 +210,7 @@ NB_MODULE(_C, m) {
         args.options = optim_options(algorithm, options);
         args.param_dtype = dtype_from_name(param_dtype);
         args.lr = static_cast<const float*>(as_pointer(lr));
+        args.increment_steps = increment_steps;
         const std::size_t state_count = static_cast<std::size_t>(optim_state_count(args.options));
         std::vector<OptimTensor> tensors(count);
         for (std::size_t t = 0; t < count; ++t) {
@@ -219,7 +221,7 @@ NB_MODULE(_C, m) {
           tensors[t].param = as_pointer(params[t]);
           tensors[t].grad = as_pointer(grads[t]);
           for (std::size_t j = 0; j < state_count; ++j) tensors[t].state[j] = static_cast<float*>(as_pointer(states[t][j]));
-          tensors[t].step = static_cast<const float*>(as_pointer(steps[t]));
+          tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
           tensors[t].numel = numels[t];
         }
         if (backend_from_name(device_type) == Backend::Cpu) {
@@ -234,7 +236,7 @@ NB_MODULE(_C, m) {
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
       nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"), nb::arg("steps"),
-      nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"));
+      nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("increment_steps") = false);
 
   m.def("take_device_error", &take_device_error, nb::arg("clear") = true,
         "Message of the error a kernel recorded, or '' (reads mapped host memory; never synchronises).");

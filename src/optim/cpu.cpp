@@ -106,6 +106,7 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   const float lr = *a.lr;
   int64_t chunk_base = 0;
   for (int t = 0; t < count; ++t) {
+    if (a.increment_steps) *tensors[t].step += 1.0f;
     const ElementView<T, States> e{tensors[t]};
     const Coefficients k = coefficients(o, lr, *tensors[t].step);
     if (is_layerwise(o.algorithm)) {

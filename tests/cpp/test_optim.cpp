@@ -39,7 +39,9 @@ struct OptimRun {
   std::vector<std::vector<float>> states;
 };
 
-OptimRun run_cpu(OptimAlgorithm a, bool skip_zeros, int steps, int64_t n) {
+// core_increments: the step adds 1 to the step count itself (OptimStepArgs::increment_steps) instead of
+// the caller.
+OptimRun run_cpu(OptimAlgorithm a, bool skip_zeros, int steps, int64_t n, bool core_increments = false) {
   const OptimOptions o = options_for(a, skip_zeros);
   OptimRun r;
   std::mt19937 rng(42);
@@ -51,7 +53,7 @@ OptimRun run_cpu(OptimAlgorithm a, bool skip_zeros, int steps, int64_t n) {
   std::vector<unsigned char> ws(optim_workspace_bytes(Backend::Cpu, o, &n, 1));
   for (int s = 0; s < steps; ++s) {
     for (int64_t i = 0; i < n; ++i) grad[i] = i % 3 == 0 ? (s % 2 ? -0.0f : 0.0f) : normal(rng);
-    r.step[0] += 1.0f;
+    if (!core_increments) r.step[0] += 1.0f;
     OptimTensor t;
     t.param = r.param.data();
     t.grad = grad.data();
@@ -61,6 +63,7 @@ OptimRun run_cpu(OptimAlgorithm a, bool skip_zeros, int steps, int64_t n) {
     OptimStepArgs args;
     args.options = o;
     args.lr = r.lr.data();
+    args.increment_steps = core_increments;
     optim_step_cpu(args, &t, 1, ws.data(), ws.size());
   }
   return r;
@@ -90,6 +93,14 @@ TEST(OptimCpu, SkipZerosKeepsSkippedElementsBitIdentical) {
     int decayed = 0;
     for (int64_t i = 0; i < 1000; i += 3) decayed += unskipped.param[i] != before.param[i];
     EXPECT_GT(decayed, 300) << "algorithm " << int(a);
+  }
+}
+
+TEST(OptimCpu, IncrementStepsEqualsTheCallerIncrementing) {
+  for (OptimAlgorithm a : kAll) {
+    const OptimRun caller = run_cpu(a, true, 4, 5000), core = run_cpu(a, true, 4, 5000, true);
+    EXPECT_EQ(core.step[0], 4.0f) << int(a);
+    EXPECT_EQ(std::memcmp(caller.param.data(), core.param.data(), caller.param.size() * 4), 0) << int(a);
   }
 }
 
@@ -146,11 +157,10 @@ TEST(OptimCuda, MatchesCpu) {
     const float lr = 0.01f;
     cudaMemcpy(d_lr, &lr, 4, cudaMemcpyHostToDevice);
     std::vector<float> grad(n);
+    cudaMemset(d_step, 0, 4);  // the step kernel counts it up (increment_steps)
     for (int s = 0; s < 3; ++s) {
       for (int64_t i = 0; i < n; ++i) grad[i] = i % 3 == 0 ? (s % 2 ? -0.0f : 0.0f) : normal(rng);
-      const float step = static_cast<float>(s + 1);
       cudaMemcpy(d_grad, grad.data(), n * 4, cudaMemcpyHostToDevice);
-      cudaMemcpy(d_step, &step, 4, cudaMemcpyHostToDevice);
       OptimTensor t;
       t.param = d_param;
       t.grad = d_grad;
@@ -160,8 +170,12 @@ TEST(OptimCuda, MatchesCpu) {
       OptimStepArgs args;
       args.options = o;
       args.lr = d_lr;
+      args.increment_steps = true;
       optim_step_cuda(args, &t, 1, d_ws, ws_bytes, nullptr);
     }
+    float step_after = 0.0f;
+    ASSERT_EQ(cudaMemcpy(&step_after, d_step, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(step_after, 3.0f);
     std::vector<float> gpu(n);
     ASSERT_EQ(cudaMemcpy(gpu.data(), d_param, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     double diff = 0.0, norm = 0.0;

@@ -524,3 +524,29 @@ def test_load_state_dict_rejects_a_state_of_the_wrong_shape():
     saved["state"][0]["exp_avg"] = torch.zeros(4)
     with pytest.raises(ValueError, match="shape"):
         go.Adam([torch.nn.Parameter(torch.randn(8))]).load_state_dict(saved)
+
+
+def test_python_knows_which_algorithms_need_a_workspace():
+    """The step asks the core for workspace bytes only for these; the core must agree (else a layer-wise
+    step would run without its scratch memory)."""
+    from graphsafe import _C
+    from graphsafe.optim._base import _NEEDS_WORKSPACE
+
+    for cls in (go.Adam, go.AdamW, go.SGD, go.RMSprop, go.Adagrad, go.Lion, go.LAMB, go.LARS, go.AdEMAMix):
+        opt = cls([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        group = opt.param_groups[0]
+        for device_type in ("cpu", "cuda"):
+            needed = _C.optim_workspace_bytes(device_type, opt.algorithm, opt._core_options(group), [10000, 3])
+            assert (needed > 0) == (opt.algorithm in _NEEDS_WORKSPACE), (cls.__name__, device_type)
+
+
+def test_options_changed_between_steps_are_validated_again():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = go.AdamW([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["betas"] = (1.5, 0.999)
+    before = p.detach().clone()
+    with pytest.raises(ValueError):
+        opt.step()
+    assert torch.equal(p.detach(), before)

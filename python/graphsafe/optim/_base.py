@@ -19,6 +19,9 @@ from torch import Tensor
 from .. import _C
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS); for the others the core's
+# optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
+_NEEDS_WORKSPACE = frozenset({"lamb", "lars"})
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -132,12 +135,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                     state[name] = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
         return state
 
-    def _check_grad(self, p: Tensor, g: Tensor) -> Tensor:
-        """The gradient as the core needs it; a clear error for anything else. The common case costs one
-        combined test (this runs for every parameter on every step)."""
-        if (g.layout is torch.strided and g.dtype is p.dtype and g.device == p.device and g.shape == p.shape
-                and not g.is_complex()):
-            return g if g.is_contiguous() else g.contiguous()
+    def _reject_grad(self, p: Tensor, g: Tensor) -> None:
+        """Raises the clear error for a gradient the core cannot take."""
         name = type(self).__name__
         if g.is_sparse or g.layout != torch.strided:
             raise RuntimeError(f"{name} does not support sparse gradients; use a dense gradient (graphsafe.nn.Embedding gives one)")
@@ -166,19 +165,44 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     def _step_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, params: list[Tensor]) -> None:
         options = self._core_options(group)
-        _C.optim_validate(self.algorithm, options)  # before anything changes: a rejected step changes nothing
-        grads = [self._check_grad(p, p.grad) for p in params]
+        # Validated before anything changes (a rejected step changes nothing); once per group while its
+        # options stay the same. The entry holds the group itself, so its id cannot be reused meanwhile.
+        validated = self.__dict__.setdefault("_validated_options", {})
+        seen = validated.get(id(group))
+        if seen is None or seen[0] is not group or seen[1] != options:
+            _C.optim_validate(self.algorithm, options)
+            validated[id(group)] = (group, options)
         names = self._state_names(group)
-        states = [self._state_of(group, p, names) for p in params]
+        # One pass over the parameters gathers what the core needs. This runs for every parameter on every
+        # step, so the common case costs one combined test per gradient.
+        if dtype not in _PARAM_DTYPES:  # a parameter's dtype changed after construction (p.data = ...)
+            if dtype.is_complex:
+                raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
+            raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {dtype}")
+        param_ptrs, grad_ptrs, state_ptrs, step_ptrs, numels, contiguous_copies = [], [], [], [], [], []
+        all_states, state_len = self.state, len(names) + 1  # a parameter's state: its step and named states
+        for p in params:
+            g = p.grad
+            if not (g.layout is torch.strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
+                self._reject_grad(p, g)
+            if not g.is_contiguous():
+                g = g.contiguous()
+                contiguous_copies.append(g)  # alive until the core call has been issued
+            state = all_states[p]
+            if len(state) != state_len:
+                state = self._state_of(group, p, names)
+            param_ptrs.append(p.data_ptr())
+            grad_ptrs.append(g.data_ptr())
+            state_ptrs.append([state[n].data_ptr() for n in names])
+            step_ptrs.append(state["step"].data_ptr())
+            numels.append(p.numel())
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
             if not isinstance(lr, Tensor) and float(lr) < 0.0:
                 raise ValueError(f"Invalid learning rate: {lr}")
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)  # one launch on CUDA
-        numels = [p.numel() for p in params]
-        workspace_bytes = _C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
+        workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
+                           if self.algorithm in _NEEDS_WORKSPACE else 0)
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
         _C.optim_step(
             device.type,
@@ -188,13 +212,14 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             options,
             _dtype_name(dtype),
             lr.data_ptr(),
-            [p.data_ptr() for p in params],
-            [g.data_ptr() for g in grads],
-            [[s[n].data_ptr() for n in names] for s in states],
-            [s.data_ptr() for s in steps],
+            param_ptrs,
+            grad_ptrs,
+            state_ptrs,
+            step_ptrs,
             numels,
             workspace.data_ptr() if workspace is not None else 0,
             workspace_bytes,
+            increment_steps=True,  # the core adds 1 to every step first (one launch on CUDA)
         )
 
     # ---- persistence ----

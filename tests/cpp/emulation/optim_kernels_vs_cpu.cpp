@@ -64,8 +64,7 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) 
         grad[t][offset[t] + i] = ElementTraits<T>::store(g);
         if (g != 0.0f) never_updated[t][i] = 0;
       }
-      step_cpu[t] += 1.0f;
-      step_emu[t] += 1.0f;
+      step_cpu[t] += 1.0f;  // the emulated CUDA step counts its own (increment_steps)
       cpu[t].param = param_cpu[t].data() + offset[t];
       emu[t].param = param_emu[t].data() + offset[t];
       cpu[t].grad = emu[t].grad = grad[t].data() + offset[t];
@@ -82,11 +81,16 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) 
     args.lr = &lr;
     args.param_dtype = dtype;
     optim_step_cpu(args, cpu.data(), tensors, workspace_cpu.data(), workspace_bytes);
+    args.increment_steps = true;
     optim_step_cuda(args, emu.data(), tensors, workspace_emu.data(), workspace_bytes, nullptr);
   }
 
   int mismatches = 0;
   for (int t = 0; t < tensors; ++t) {
+    if (step_emu[t] != step_cpu[t]) {
+      ADD_FAILURE() << "tensor " << t << ": step " << step_emu[t] << " after increment_steps, expected " << step_cpu[t];
+      ++mismatches;
+    }
     double diff = 0.0, norm = 0.0;
     for (int64_t i = 0; i < numel[t]; ++i) {
       const float c = ElementTraits<T>::load(param_cpu[t][offset[t] + i]);

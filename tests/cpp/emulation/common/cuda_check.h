@@ -21,13 +21,16 @@ inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 #define __shared__ static  // one copy for all threads: blocks run one after another (emu_launch)
 #define __restrict__
 
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline void __stwb(float4* p, float4 v) { *p = v; }
+template <class V> inline V __ldcs(const V* p) { return *p; }
+template <class V> inline void __stcs(V* p, V v) { *p = v; }
+struct float2 { float x, y; };
 template <class A, class B> inline auto min(A a, B b) { return a < b ? a : b; }
 
 using cudaStream_t = void*;
@@ -35,6 +38,8 @@ using cudaError_t = int;
 constexpr int cudaDevAttrMultiProcessorCount = 0;
 inline int cudaGetDevice(int* device) { *device = 0; return 0; }
 inline int cudaDeviceGetAttribute(int* value, int, int) { *value = 2; return 0; }  // 2 SMs: grids stay small
+template <class Kernel>
+inline int cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, std::size_t) { *blocks = 3; return 0; }
 #define GS_CUDA_CHECK(expr) (void)(expr)
 #define GS_CUDA_CHECK_LAUNCH() (void)0
 
