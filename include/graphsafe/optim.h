@@ -43,11 +43,15 @@ struct OptimOptions {
   bool skip_zeros = false;
 };
 
-// One parameter tensor of a step. `state` holds optim_state_count(options) fp32 buffers of `numel`.
+// One parameter tensor of a step. With 32-bit states, `state` holds optim_state_count(options) fp32 buffers
+// of `numel`; with 8-bit states, `codes` holds as many uint8 buffers of `numel` and `absmax` fp32 buffers
+// of ceil(numel / block_size) (see quantize_blockwise).
 struct OptimTensor {
   void* param = nullptr;        // param dtype
   const void* grad = nullptr;   // same dtype as the parameter
   float* state[4] = {nullptr, nullptr, nullptr, nullptr};
+  uint8_t* codes[4] = {nullptr, nullptr, nullptr, nullptr};
+  float* absmax[4] = {nullptr, nullptr, nullptr, nullptr};
   float* step = nullptr;  // this parameter's step number: 1 on its first step (see OptimStepArgs::increment_steps)
   int64_t numel = 0;
 };
@@ -59,6 +63,9 @@ struct OptimStepArgs {
   // Add 1 to every tensor's step before the update (true: the step saves the caller a launch; false: the
   // caller has incremented them).
   bool increment_steps = false;
+  // 32: fp32 states; 8: blockwise 8-bit states of block_size elements (a power of two, 32 to 1024).
+  int state_bits = 32;
+  int block_size = 256;
 };
 
 // Number of fp32 state buffers the algorithm keeps per parameter, and their meaning, in order:
@@ -81,5 +88,28 @@ void optim_step_cpu(const OptimStepArgs& args, const OptimTensor* tensors, int c
 // processed in launches of many tensors each.
 void optim_step_cuda(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
                      std::size_t workspace_bytes, StreamHandle stream);
+
+// ---- 8-bit blockwise quantisation (docs/optim.md "8-bit states") ----
+//
+// Blocks of block_size consecutive elements (a power of two, 32 to 1024) keep one fp32 absmax each and one
+// code per element: value = map[code] * absmax. The signed map serves values of either sign (first
+// moments), the unsigned map non-negative ones (second moments); both are 256 increasing values with 0 and
+// 1 exact (and -1 in the signed one). Quantising rounds to the nearest map value (ties toward zero).
+
+// The 256 values of a map (host memory).
+const float* quantization_map(bool is_signed);
+
+// Whether state j of the algorithm uses the signed map.
+bool optim_state_is_signed(const OptimOptions& options, int j);
+
+void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                            float* absmax);
+void dequantize_blockwise_cpu(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                              bool is_signed, float* out);
+// Asynchronous on `stream`; device pointers.
+void quantize_blockwise_cuda(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                             float* absmax, StreamHandle stream);
+void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                               bool is_signed, float* out, StreamHandle stream);
 
 }  // namespace graphsafe

@@ -8,7 +8,7 @@ from torch import Tensor
 from . import _C
 from ._errors import raise_pending_device_error
 
-__all__ = ["embedding_backward", "embedding"]
+__all__ = ["embedding_backward", "embedding", "quantize_blockwise", "dequantize_blockwise", "quantization_map"]
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -185,3 +185,57 @@ def _embedding_backward_rule(ctx, grad_output):
 
 
 embedding.register_autograd(_embedding_backward_rule, setup_context=_embedding_setup_context)
+
+
+# ---- 8-bit blockwise quantisation (docs/optim.md "8-bit states") ----
+
+
+def _check_block_size(block_size: int) -> None:
+    if not (isinstance(block_size, int) and 32 <= block_size <= 1024 and block_size & (block_size - 1) == 0):
+        raise ValueError(f"block_size must be a power of two from 32 to 1024, got {block_size!r}")
+
+
+def quantization_map(signed: bool = True, device: torch.device | str = "cpu") -> Tensor:
+    """The 256 increasing fp32 values of graphsafe's signed or unsigned 8-bit map."""
+    return torch.tensor(_C.quantization_map(bool(signed)), dtype=torch.float32, device=device)
+
+
+def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) -> tuple[Tensor, Tensor]:
+    """8-bit blockwise quantisation of a float tensor (CPU or CUDA): returns (codes, absmax), codes uint8 of
+    x's shape and absmax fp32 with one scale per block of block_size consecutive elements (row-major). A
+    value is map[code] * absmax; codes round to the nearest map value, ties toward zero. signed=False is for
+    non-negative values (negative ones clamp to 0)."""
+    _check_block_size(block_size)
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize_blockwise: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"quantize_blockwise: tensors must be on cpu or cuda, got {x.device}")
+    flat = x.detach().to(torch.float32).contiguous()
+    numel = flat.numel()
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty((numel + block_size - 1) // block_size, dtype=torch.float32, device=x.device)
+    if numel:
+        _C.quantize_blockwise(x.device.type, x.device.index or 0, _stream_of(x.device), flat.data_ptr(), numel,
+                              block_size, bool(signed), codes.data_ptr(), absmax.data_ptr())
+    return codes, absmax
+
+
+def dequantize_blockwise(codes: Tensor, absmax: Tensor, block_size: int = 256, signed: bool = True) -> Tensor:
+    """The fp32 values of quantize_blockwise's (codes, absmax), in codes' shape."""
+    _check_block_size(block_size)
+    if not isinstance(codes, Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(f"dequantize_blockwise: codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
+    if not isinstance(absmax, Tensor) or absmax.dtype != torch.float32:
+        raise TypeError("dequantize_blockwise: absmax must be a float32 tensor")
+    if codes.device != absmax.device or codes.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"dequantize_blockwise: codes on {codes.device} and absmax on {absmax.device}; both on one cpu or cuda device")
+    numel = codes.numel()
+    blocks = (numel + block_size - 1) // block_size
+    if absmax.numel() != blocks:
+        raise ValueError(f"dequantize_blockwise: {numel} codes in blocks of {block_size} need {blocks} absmax values, got {absmax.numel()}")
+    codes_c, absmax_c = codes.contiguous(), absmax.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    if numel:
+        _C.dequantize_blockwise(codes.device.type, codes.device.index or 0, _stream_of(codes.device), codes_c.data_ptr(),
+                                absmax_c.data_ptr(), numel, block_size, bool(signed), out.data_ptr())
+    return out

@@ -202,7 +202,7 @@ NB_MODULE(_C, m) {
          const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
          const std::vector<std::vector<std::uintptr_t>>& states, const std::vector<std::uintptr_t>& steps,
          const std::vector<int64_t>& numels, std::uintptr_t workspace, std::size_t workspace_bytes,
-         bool increment_steps) {
+         bool increment_steps, int state_bits, int block_size, const std::vector<std::vector<std::uintptr_t>>& absmax) {
         const std::size_t count = params.size();
         if (grads.size() != count || states.size() != count || steps.size() != count || numels.size() != count)
           throw std::invalid_argument("optim_step: params, grads, states, steps and numels differ in length");
@@ -211,6 +211,10 @@ NB_MODULE(_C, m) {
         args.param_dtype = dtype_from_name(param_dtype);
         args.lr = static_cast<const float*>(as_pointer(lr));
         args.increment_steps = increment_steps;
+        args.state_bits = state_bits;
+        args.block_size = block_size;
+        if (state_bits == 8 && absmax.size() != count)
+          throw std::invalid_argument("optim_step: 8-bit states need one absmax list per tensor");
         const std::size_t state_count = static_cast<std::size_t>(optim_state_count(args.options));
         std::vector<OptimTensor> tensors(count);
         for (std::size_t t = 0; t < count; ++t) {
@@ -220,7 +224,18 @@ NB_MODULE(_C, m) {
                                         std::to_string(state_count));
           tensors[t].param = as_pointer(params[t]);
           tensors[t].grad = as_pointer(grads[t]);
-          for (std::size_t j = 0; j < state_count; ++j) tensors[t].state[j] = static_cast<float*>(as_pointer(states[t][j]));
+          for (std::size_t j = 0; j < state_count; ++j) {
+            if (state_bits == 8) {
+              if (absmax[t].size() != state_count)
+                throw std::invalid_argument("optim_step: tensor " + std::to_string(t) + " has " +
+                                            std::to_string(absmax[t].size()) + " absmax buffers, the algorithm keeps " +
+                                            std::to_string(state_count) + " states");
+              tensors[t].codes[j] = static_cast<uint8_t*>(as_pointer(states[t][j]));
+              tensors[t].absmax[j] = static_cast<float*>(as_pointer(absmax[t][j]));
+            } else {
+              tensors[t].state[j] = static_cast<float*>(as_pointer(states[t][j]));
+            }
+          }
           tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
           tensors[t].numel = numels[t];
         }
@@ -236,7 +251,63 @@ NB_MODULE(_C, m) {
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
       nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"), nb::arg("steps"),
-      nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("increment_steps") = false);
+      nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("increment_steps") = false,
+      nb::arg("state_bits") = 32, nb::arg("block_size") = 256,
+      nb::arg("absmax") = std::vector<std::vector<std::uintptr_t>>{},
+      "states: per tensor its fp32 state addresses, or with state_bits=8 its code (uint8) addresses; absmax: "
+      "per tensor its absmax addresses (8-bit only).");
+
+  m.def(
+      "quantization_map", [](bool is_signed) {
+        const float* map = quantization_map(is_signed);
+        return std::vector<float>(map, map + 256);
+      },
+      nb::arg("signed"), "The 256 values of the signed or unsigned 8-bit map, increasing.");
+
+  m.def(
+      "optim_state_is_signed",
+      [](const std::string& algorithm, const std::map<std::string, double>& options, int j) {
+        return optim_state_is_signed(optim_options(algorithm, options), j);
+      },
+      nb::arg("algorithm"), nb::arg("options"), nb::arg("j"));
+
+  m.def(
+      "quantize_blockwise",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, std::uintptr_t x, int64_t numel,
+         int block_size, bool is_signed, std::uintptr_t codes, std::uintptr_t absmax) {
+        auto* in = static_cast<const float*>(as_pointer(x));
+        auto* c = static_cast<uint8_t*>(as_pointer(codes));
+        auto* a = static_cast<float*>(as_pointer(absmax));
+        if (backend_from_name(device_type) == Backend::Cpu) {
+          nb::gil_scoped_release release;
+          quantize_blockwise_cpu(in, numel, block_size, is_signed, c, a);
+          return;
+        }
+        on_device(device_index, [&] {
+          quantize_blockwise_cuda(in, numel, block_size, is_signed, c, a, reinterpret_cast<StreamHandle>(stream));
+        });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("x"), nb::arg("numel"),
+      nb::arg("block_size"), nb::arg("signed"), nb::arg("codes"), nb::arg("absmax"));
+
+  m.def(
+      "dequantize_blockwise",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, std::uintptr_t codes,
+         std::uintptr_t absmax, int64_t numel, int block_size, bool is_signed, std::uintptr_t out) {
+        auto* c = static_cast<const uint8_t*>(as_pointer(codes));
+        auto* a = static_cast<const float*>(as_pointer(absmax));
+        auto* o = static_cast<float*>(as_pointer(out));
+        if (backend_from_name(device_type) == Backend::Cpu) {
+          nb::gil_scoped_release release;
+          dequantize_blockwise_cpu(c, a, numel, block_size, is_signed, o);
+          return;
+        }
+        on_device(device_index, [&] {
+          dequantize_blockwise_cuda(c, a, numel, block_size, is_signed, o, reinterpret_cast<StreamHandle>(stream));
+        });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("codes"), nb::arg("absmax"),
+      nb::arg("numel"), nb::arg("block_size"), nb::arg("signed"), nb::arg("out"));
 
   m.def("take_device_error", &take_device_error, nb::arg("clear") = true,
         "Message of the error a kernel recorded, or '' (reads mapped host memory; never synchronises).");

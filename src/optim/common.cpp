@@ -4,6 +4,7 @@
 #include <string>
 
 #include "graphsafe/optim.h"
+#include "optim/blockwise.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
 
@@ -80,6 +81,11 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     throw std::invalid_argument(std::string("optimizer parameters must be float32, float16 or bfloat16, got ") +
                                 dtype_name(a.param_dtype));
   if (a.lr == nullptr) throw std::invalid_argument("optimizer step: lr pointer is null");
+  if (a.state_bits != 32 && a.state_bits != 8)
+    throw std::invalid_argument("optimizer step: state_bits must be 32 or 8, got " + std::to_string(a.state_bits));
+  if (a.state_bits == 8 && !valid_block_size(a.block_size))
+    throw std::invalid_argument("optimizer step: block_size must be a power of two from 32 to 1024, got " +
+                                std::to_string(a.block_size));
   const int states = optim_state_count(a.options);
   for (int t = 0; t < count; ++t) {
     const OptimTensor& x = tensors[t];
@@ -87,12 +93,20 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     if (x.step == nullptr) throw std::invalid_argument("optimizer step: step pointer is null");
     if (x.numel > 0 && (x.param == nullptr || x.grad == nullptr))
       throw std::invalid_argument("optimizer step: null param or grad pointer");
-    for (int j = 0; j < states; ++j)
-      if (x.numel > 0 && x.state[j] == nullptr)
+    for (int j = 0; j < states; ++j) {
+      const bool present = a.state_bits == 32 ? x.state[j] != nullptr : x.codes[j] != nullptr && x.absmax[j] != nullptr;
+      if (x.numel > 0 && !present)
         throw std::invalid_argument("optimizer step: state " + std::to_string(j) + " of tensor " + std::to_string(t) +
                                     " is null");
+    }
   }
 }
+
+const float* quantization_map(bool is_signed) {
+  return is_signed ? optim_detail::kSignedMap.value : optim_detail::kUnsignedMap.value;
+}
+
+bool optim_state_is_signed(const OptimOptions& options, int j) { return optim_detail::state_is_signed(options, j); }
 
 std::size_t optim_workspace_bytes(Backend, const OptimOptions& o, const int64_t* numels, int count) {
   if (!optim_detail::is_layerwise(o.algorithm)) return 0;

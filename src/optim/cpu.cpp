@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "graphsafe/optim.h"
+#include "optim/blockwise.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
 
@@ -100,6 +101,99 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T
   update_elements(o, e, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
 }
 
+// ---- 8-bit states: one quantisation block at a time ----
+
+// Runs rule(g, p, s) on the elements [begin, end) of quantisation block `b` with the block's states
+// dequantised; rule returns false for a skipped element (which must leave p and s as they were). Writes the
+// parameter of every updated element when WritesParam, and requantises the block's states (new absmax, new
+// codes) when WritesStates and at least one element was updated: an all-skipped block keeps its codes and
+// absmax bit-identical.
+template <class T, int States, bool WritesParam, bool WritesStates, class Rule>
+void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block_size, int64_t b, Rule rule) {
+  const int64_t begin = b * block_size, end = std::min(t.numel, begin + block_size);
+  float values[4][1024];
+  bool any_updated = false;
+  for (int j = 0; j < States; ++j) {
+    const float* map = quantization_map(state_is_signed(o, j));
+    const float scale = t.absmax[j][b];
+    for (int64_t i = begin; i < end; ++i) values[j][i - begin] = dequantize_value(map, t.codes[j][i], scale);
+  }
+  T* const param = static_cast<T*>(t.param);
+  const T* const grad = static_cast<const T*>(t.grad);
+  for (int64_t i = begin; i < end; ++i) {
+    float s[4] = {};
+    for (int j = 0; j < States; ++j) s[j] = values[j][i - begin];
+    float p = ElementTraits<T>::load(param[i]);
+    if (!rule(ElementTraits<T>::load(grad[i]), p, s)) continue;
+    any_updated = true;
+    if (WritesParam) param[i] = ElementTraits<T>::store(p);
+    for (int j = 0; j < States; ++j) values[j][i - begin] = s[j];
+  }
+  if (!WritesStates || !any_updated) return;
+  for (int j = 0; j < States; ++j) {
+    const bool is_signed = state_is_signed(o, j);
+    float scale = 0.0f;
+    for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, values[j][i - begin]);
+    t.absmax[j][b] = scale;
+    const float* map = quantization_map(is_signed);
+    for (int64_t i = begin; i < end; ++i)
+      t.codes[j][i] = quantize_value(map, zero_code(is_signed), normalized(values[j][i - begin], scale));
+  }
+}
+
+template <class T, int States>
+void elementwise_quantized(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, int block_size) {
+  const int64_t blocks = block_count(t.numel, block_size);
+#pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
+  for (int64_t b = 0; b < blocks; ++b)
+    step_quantized_block<T, States, true, true>(o, t, block_size, b, [&](float g, float& p, float* s) {
+      if (skipped(o, g)) return false;
+      elementwise_step(o, k, g, p, s);
+      return true;
+    });
+}
+
+// LAMB/LARS with 8-bit states: the same chunks and chunk order as with fp32 states (a chunk of 4096 holds
+// whole quantisation blocks). Pass 1 writes nothing; pass 2 recomputes LAMB's new moments from the same
+// stored ones (the same fp32 values pass 1 measured), updates with them, then requantises. Reading
+// requantised moments back instead would update with values pass 1 never measured: an element whose
+// second moment rounds to 0 in its block would take a step of m / eps.
+template <class T, int States>
+void layerwise_quantized(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, int block_size,
+                         float* chunk_norms, float* factor) {
+  const int64_t chunks = chunk_count(t.numel), blocks_per_chunk = kChunkElements / block_size;
+  const int64_t blocks = block_count(t.numel, block_size);
+  const bool lamb = o.algorithm == OptimAlgorithm::LAMB;
+#pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
+  for (int64_t c = 0; c < chunks; ++c) {
+    SquaredNorms sum{0.0f, 0.0f};
+    auto measure = [&](float g, float& p, float* s) {
+      const SquaredNorms n = layerwise_measure(o, k, g, p, s);
+      sum.param += n.param;
+      sum.update += n.update;
+      return !skipped(o, g);
+    };
+    for (int64_t b = c * blocks_per_chunk; b < std::min(blocks, (c + 1) * blocks_per_chunk); ++b)
+      step_quantized_block<T, States, false, false>(o, t, block_size, b, measure);
+    chunk_norms[2 * c] = sum.param;
+    chunk_norms[2 * c + 1] = sum.update;
+  }
+  SquaredNorms total{0.0f, 0.0f};
+  for (int64_t c = 0; c < chunks; ++c) {
+    total.param += chunk_norms[2 * c];
+    total.update += chunk_norms[2 * c + 1];
+  }
+  const float f = *factor = layerwise_factor(o, k, total);
+  auto apply = [&](float g, float& p, float* s) {
+    if (skipped(o, g)) return false;
+    if (lamb) (void)layerwise_measure(o, k, g, p, s);  // the new moments, as pass 1 formed them
+    layerwise_apply(o, k, f, g, p, s);
+    return true;
+  };
+#pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
+  for (int64_t b = 0; b < blocks; ++b) step_quantized_block<T, States, true, true>(o, t, block_size, b, apply);
+}
+
 template <class T, int States>
 void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, std::size_t factors_offset) {
   const OptimOptions& o = a.options;
@@ -109,9 +203,15 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
     if (a.increment_steps) *tensors[t].step += 1.0f;
     const ElementView<T, States> e{tensors[t]};
     const Coefficients k = coefficients(o, lr, *tensors[t].step);
+    const bool quantized = a.state_bits == 8;
     if (is_layerwise(o.algorithm)) {
-      layerwise(o, k, e, workspace + 2 * chunk_base, workspace + factors_offset + t);
+      float* norms = workspace + 2 * chunk_base;
+      float* factor = workspace + factors_offset + t;
+      if (quantized) layerwise_quantized<T, States>(o, k, tensors[t], a.block_size, norms, factor);
+      else layerwise(o, k, e, norms, factor);
       chunk_base += chunk_count(tensors[t].numel);
+    } else if (quantized) {
+      elementwise_quantized<T, States>(o, k, tensors[t], a.block_size);
     } else {
       elementwise(o, k, e);
     }
@@ -130,6 +230,33 @@ void run_typed(const OptimStepArgs& a, const OptimTensor* tensors, int count, fl
 }
 
 }  // namespace
+
+void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                            float* absmax) {
+  if (!valid_block_size(block_size))
+    throw std::invalid_argument("quantize_blockwise: block_size must be a power of two from 32 to 1024, got " +
+                                std::to_string(block_size));
+  const float* map = quantization_map(is_signed);
+  const int64_t blocks = block_count(numel, block_size);
+#pragma omp parallel for schedule(static) if (numel >= kParallelMinElements)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
+    float scale = 0.0f;
+    for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
+    absmax[b] = scale;
+    for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, zero_code(is_signed), normalized(x[i], scale));
+  }
+}
+
+void dequantize_blockwise_cpu(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                              bool is_signed, float* out) {
+  if (!valid_block_size(block_size))
+    throw std::invalid_argument("dequantize_blockwise: block_size must be a power of two from 32 to 1024, got " +
+                                std::to_string(block_size));
+  const float* map = quantization_map(is_signed);
+#pragma omp parallel for schedule(static) if (numel >= kParallelMinElements)
+  for (int64_t i = 0; i < numel; ++i) out[i] = dequantize_value(map, codes[i], absmax[i / block_size]);
+}
 
 void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
                     std::size_t workspace_bytes) {

@@ -19,6 +19,7 @@
 #include "common/cuda_check.h"
 #include "common/launch.h"
 #include "graphsafe/optim.h"
+#include "optim/blockwise.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
 
@@ -37,7 +38,8 @@ struct TensorTable {
   int count;
   void* param[kMaxTensors];
   const void* grad[kMaxTensors];
-  float* state[4][kMaxTensors];
+  void* state[4][kMaxTensors];   // fp32 states, or with 8-bit states their codes (uint8)
+  float* absmax[4][kMaxTensors];  // 8-bit states: one scale per quantisation block
   float* step[kMaxTensors];
   int64_t numel[kMaxTensors];
   int64_t first_block[kMaxTensors + 1];  // blocks of this launch, one per chunk
@@ -45,6 +47,8 @@ struct TensorTable {
   int factor_index[kMaxTensors];         // tensor index across the whole step (layer-wise factors)
 };
 static_assert(sizeof(TensorTable) < 4000, "kernel arguments stay under 4 KB");
+
+__device__ float* fp32_state(const TensorTable& table, int j, int t) { return static_cast<float*>(table.state[j][t]); }
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -121,7 +125,7 @@ __device__ void load_packet(const TensorTable& table, int tensor, int64_t base, 
   x.p = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.param[tensor]) + base));
 #pragma unroll
   for (int j = 0; j < States; ++j) {
-    const float4 v = load_streaming(reinterpret_cast<const float4*>(table.state[j][tensor] + base));
+    const float4 v = load_streaming(reinterpret_cast<const float4*>(fp32_state(table, j, tensor) + base));
     x.s[j][0] = v.x; x.s[j][1] = v.y; x.s[j][2] = v.z; x.s[j][3] = v.w;
   }
 }
@@ -147,7 +151,7 @@ __device__ void update_packet(const TensorTable& table, int tensor, int64_t base
   store_streaming(reinterpret_cast<Pack<T, kVec>*>(static_cast<T*>(table.param[tensor]) + base), x.p);
 #pragma unroll
   for (int j = 0; j < States; ++j)
-    store_streaming(reinterpret_cast<float4*>(table.state[j][tensor] + base),
+    store_streaming(reinterpret_cast<float4*>(fp32_state(table, j, tensor) + base),
                             make_float4(x.s[j][0], x.s[j][1], x.s[j][2], x.s[j][3]));
 }
 
@@ -159,7 +163,7 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
   bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
 #pragma unroll
-  for (int j = 0; j < States; ++j) wide = wide && aligned(table.state[j][w.tensor], 16);
+  for (int j = 0; j < States; ++j) wide = wide && aligned(fp32_state(table, j, w.tensor), 16);
   for (int it = 0; it < kIterations; ++it) {
     const int64_t base = w.begin + (int64_t(it) * kThreads + threadIdx.x) * kVec;
     if (base >= w.end) break;
@@ -171,30 +175,163 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
       for (int64_t i = base; i < min(base + kVec, w.end); ++i) {
         float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
-        for (int j = 0; j < States; ++j) s[j] = table.state[j][w.tensor][i];
+        for (int j = 0; j < States; ++j) s[j] = fp32_state(table, j, w.tensor)[i];
         float p = ElementTraits<T>::load(param[i]);
         if (body(ElementTraits<T>::load(grad[i]), p, s)) {
           param[i] = ElementTraits<T>::store(p);
 #pragma unroll
-          for (int j = 0; j < States; ++j) table.state[j][w.tensor][i] = s[j];
+          for (int j = 0; j < States; ++j) fp32_state(table, j, w.tensor)[i] = s[j];
         }
       }
     }
   }
 }
 
-template <class T, int States>
+// ---- 8-bit states ----
+
+// The two maps, copied from constant memory into the block's shared memory (the binary search of
+// quantize_value reads them at data-dependent positions). Called by every thread of the block.
+__constant__ QuantizationMap kDeviceMaps[2] = {make_quantization_map(false), make_quantization_map(true)};
+
+__device__ const QuantizationMap* load_maps_to_shared() {
+  __shared__ QuantizationMap maps[2];
+  for (int i = threadIdx.x; i < 512; i += blockDim.x) maps[i / 256].value[i % 256] = kDeviceMaps[i / 256].value[i % 256];
+  __syncthreads();
+  return maps;
+}
+
+// max over the `group` consecutive threads (a power of two from 8 to 256) that share a quantisation block,
+// NaN if any is NaN (absmax_step's rule). Every thread of the block calls it; all get their group's result.
+__device__ float group_max(float v, int group, float (&exchange)[kThreads / 32]) {
+  for (int offset = min(group, 32) / 2; offset > 0; offset /= 2) v = absmax_step(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if (group <= 32) return v;
+  const int warp = threadIdx.x / 32, warps = group / 32, first = warp / warps * warps;
+  if (threadIdx.x % 32 == 0) exchange[warp] = v;
+  __syncthreads();
+  v = exchange[first];
+  for (int w = first + 1; w < first + warps; ++w) v = absmax_step(v, exchange[w]);
+  __syncthreads();  // exchange[] is reused by the next call
+  return v;
+}
+
+// The 8-bit counterpart of for_each_element: each thread owns 4 consecutive elements per 1024-element
+// pass; the block_size / 4 threads of one quantisation block dequantise their states, run body (false:
+// skipped, p and s unchanged), and, when WritesStates and any element of the block was updated, agree on
+// the new absmax and requantise. An all-skipped block keeps codes and absmax bit-identical; the parameter
+// is written for updated elements when WritesParam. Every thread runs every pass (the group reductions
+// need them all), elements past the tensor's end take no part.
+template <class T, int States, bool WritesParam, bool WritesStates, class Body>
+__device__ void for_each_quantized_element(const OptimOptions& o, const TensorTable& table, const BlockWork& w,
+                                           int block_size, const QuantizationMap* maps, Body body) {
+  __shared__ float exchange[kThreads / 32];
+  T* param = static_cast<T*>(table.param[w.tensor]);
+  const T* grad = static_cast<const T*>(table.grad[w.tensor]);
+  const bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
+  bool wide_codes = true;
+#pragma unroll
+  for (int j = 0; j < States; ++j) wide_codes = wide_codes && aligned(table.state[j][w.tensor], 4);
+  const int group = block_size / kVec;
+  for (int it = 0; it < kIterations; ++it) {
+    const int64_t base = w.begin + (int64_t(it) * kThreads + threadIdx.x) * kVec;
+    const int64_t quant_block = base / block_size;
+    const bool full = base + kVec <= w.end;
+    float g[kVec] = {}, p[kVec] = {}, s[kVec][4] = {}, scale[4] = {};
+    bool valid[kVec], updated[kVec] = {};
+    for (int e = 0; e < kVec; ++e) valid[e] = base + e < w.end;
+    Pack<T, kVec> p4{};  // the parameters as loaded: skipped elements are stored back with their own bits
+    if (wide && full) {
+      const Pack<T, kVec> g4 = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(grad + base));
+      p4 = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(param + base));
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        g[e] = ElementTraits<T>::load(g4.v[e]);
+        p[e] = ElementTraits<T>::load(p4.v[e]);
+      }
+    } else {
+      for (int e = 0; e < kVec; ++e)
+        if (valid[e]) {
+          g[e] = ElementTraits<T>::load(grad[base + e]);
+          p[e] = ElementTraits<T>::load(param[base + e]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < States; ++j) {
+      const float* map = maps[state_is_signed(o, j) ? 1 : 0].value;
+      const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]);
+      if (base < w.end) scale[j] = table.absmax[j][w.tensor][quant_block];
+      uint8_t c[kVec] = {};
+      if (full && wide_codes) {
+        const uchar4 c4 = *reinterpret_cast<const uchar4*>(codes + base);
+        c[0] = c4.x; c[1] = c4.y; c[2] = c4.z; c[3] = c4.w;
+      } else {
+        for (int e = 0; e < kVec; ++e) if (valid[e]) c[e] = codes[base + e];
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s[e][j] = dequantize_value(map, c[e], scale[j]);
+    }
+    bool any = false;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (!valid[e]) continue;
+      float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
+      float pe = p[e];
+      if (body(g[e], pe, st)) {
+        updated[e] = any = true;
+        p[e] = pe;
+#pragma unroll
+        for (int j = 0; j < States; ++j) s[e][j] = st[j];
+      }
+    }
+    if (WritesParam && any) {
+      if (wide && full) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) if (updated[e]) p4.v[e] = ElementTraits<T>::store(p[e]);
+        store_streaming(reinterpret_cast<Pack<T, kVec>*>(param + base), p4);
+      } else {
+        for (int e = 0; e < kVec; ++e) if (updated[e]) param[base + e] = ElementTraits<T>::store(p[e]);
+      }
+    }
+    if (!WritesStates || States == 0) continue;
+    const bool block_updated = group_max(any ? 1.0f : 0.0f, group, exchange) > 0.0f;  // uniform in the group
+#pragma unroll
+    for (int j = 0; j < States; ++j) {
+      float mine = 0.0f;
+      for (int e = 0; e < kVec; ++e) if (valid[e]) mine = absmax_step(mine, s[e][j]);
+      const float new_scale = group_max(mine, group, exchange);
+      if (!block_updated || base >= w.end) continue;
+      const bool is_signed = state_is_signed(o, j);
+      const float* map = maps[is_signed ? 1 : 0].value;
+      uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
+      uint8_t c[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) c[e] = quantize_value(map, zero_code(is_signed), normalized(s[e][j], new_scale));
+      if (full && wide_codes) {
+        *reinterpret_cast<uchar4*>(codes + base) = make_uchar4(c[0], c[1], c[2], c[3]);
+      } else {
+        for (int e = 0; e < kVec; ++e) if (valid[e]) codes[base + e] = c[e];
+      }
+      if (base % block_size == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+    }
+  }
+}
+
+// Bits: 32 (fp32 states) or 8 (blockwise 8-bit states of block_size elements).
+template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads)
-    elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks) {
+    elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks, int block_size) {
   __shared__ Coefficients k;
+  const QuantizationMap* maps = nullptr;
+  if constexpr (Bits == 8) maps = load_maps_to_shared();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
-    for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
+    auto body = [&](float g, float& p, float* s) {
       if (skipped(o, g)) return false;
       elementwise_step(o, k, g, p, s);
       return true;
-    });
+    };
+    if constexpr (Bits == 8) for_each_quantized_element<T, States, true, true>(o, table, w, block_size, maps, body);
+    else for_each_element<T, States>(table, w, body);
   }
 }
 
@@ -216,27 +353,38 @@ __device__ SquaredNorms block_sum(SquaredNorms mine, float (&partial)[2][kThread
 }
 
 // Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads).
-template <class T, int States>
+// With fp32 states LAMB stores its new moments now and pass 2 reads them; with 8-bit states pass 1 writes
+// nothing and pass 2 forms the same new moments again from the stored ones (see the CPU backend's
+// layerwise_quantized for why).
+template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const float* lr, TensorTable table,
-                                                          int64_t total_blocks, float* chunk_norms) {
+                                                          int64_t total_blocks, int block_size, float* chunk_norms) {
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
+  const QuantizationMap* maps = nullptr;
+  if constexpr (Bits == 8) maps = load_maps_to_shared();
+  const bool lamb = o.algorithm == OptimAlgorithm::LAMB;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
-  share_coefficients(o, lr, table, w.tensor, current, k);
-  SquaredNorms mine{0.0f, 0.0f};
-  for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
-    const SquaredNorms n = layerwise_measure(o, k, g, p, s);
-    mine.param += n.param;
-    mine.update += n.update;
-    return o.algorithm == OptimAlgorithm::LAMB && !skipped(o, g);  // LAMB stores its moments now
-  });
-  const SquaredNorms sum = block_sum(mine, partial);
-  if (threadIdx.x == 0) {
-    const int64_t chunk = table.first_chunk[w.tensor] + (block_ - table.first_block[w.tensor]);
-    chunk_norms[2 * chunk] = sum.param;
-    chunk_norms[2 * chunk + 1] = sum.update;
-  }
+    share_coefficients(o, lr, table, w.tensor, current, k);
+    SquaredNorms mine{0.0f, 0.0f};
+    auto measure = [&](float g, float& p, float* s) {
+      const SquaredNorms n = layerwise_measure(o, k, g, p, s);
+      mine.param += n.param;
+      mine.update += n.update;
+      return !skipped(o, g);
+    };
+    if constexpr (Bits == 8) {
+      for_each_quantized_element<T, States, false, false>(o, table, w, block_size, maps, measure);
+    } else {
+      for_each_element<T, States>(table, w, [&](float g, float& p, float* s) { return measure(g, p, s) && lamb; });
+    }
+    const SquaredNorms sum = block_sum(mine, partial);
+    if (threadIdx.x == 0) {
+      const int64_t chunk = table.first_chunk[w.tensor] + (block_ - table.first_block[w.tensor]);
+      chunk_norms[2 * chunk] = sum.param;
+      chunk_norms[2 * chunk + 1] = sum.update;
+    }
   }
 }
 
@@ -257,20 +405,32 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const 
   if (threadIdx.x == 0) factors[table.factor_index[t]] = layerwise_factor(o, coefficients(o, *lr, *table.step[t]), total);
 }
 
-// Layer-wise pass 2.
-template <class T, int States>
+// Layer-wise pass 2. LAMB uses the new moments (fp32: those pass 1 stored; 8-bit: formed again); LARS
+// updates its momentum.
+template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const float* lr, TensorTable table,
-                                                        int64_t total_blocks, const float* factors) {
+                                                        int64_t total_blocks, int block_size, const float* factors) {
   __shared__ Coefficients k;
+  const QuantizationMap* maps = nullptr;
+  if constexpr (Bits == 8) maps = load_maps_to_shared();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
     const float factor = factors[table.factor_index[w.tensor]];
-    for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
-      if (skipped(o, g)) return false;
-      layerwise_apply(o, k, factor, g, p, s);
-      return true;
-    });
+    if constexpr (Bits == 8) {
+      for_each_quantized_element<T, States, true, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
+        if (skipped(o, g)) return false;
+        if (o.algorithm == OptimAlgorithm::LAMB) (void)layerwise_measure(o, k, g, p, s);  // pass 1's new moments
+        layerwise_apply(o, k, factor, g, p, s);
+        return true;
+      });
+    } else {
+      for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
+        if (skipped(o, g)) return false;
+        layerwise_apply(o, k, factor, g, p, s);
+        return true;
+      });
+    }
   }
 }
 
@@ -318,24 +478,25 @@ int64_t grid_for(Kernel kernel, int64_t blocks) {
   return std::min(blocks, it->second);
 }
 
-template <class T, int States>
+template <class T, int States, int Bits>
 void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t blocks, float* workspace,
                   std::size_t factors_offset, cudaStream_t stream) {
   if (blocks == 0) return;
-  constexpr auto elementwise = &elementwise_kernel<T, States>;  // named: GS_LAUNCH takes one token
-  constexpr auto measure = &measure_kernel<T, States>;
-  constexpr auto apply = &apply_kernel<T, States>;
+  constexpr auto elementwise = &elementwise_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
+  constexpr auto measure = &measure_kernel<T, States, Bits>;
+  constexpr auto apply = &apply_kernel<T, States, Bits>;
   const OptimOptions& o = a.options;
+  const int b = a.block_size;
   if (!is_layerwise(o.algorithm)) {
-    GS_LAUNCH(elementwise, grid_for(elementwise, blocks), kThreads, stream, o, a.lr, table, blocks);
+    GS_LAUNCH(elementwise, grid_for(elementwise, blocks), kThreads, stream, o, a.lr, table, blocks, b);
     GS_CUDA_CHECK_LAUNCH();
     return;
   }
-  GS_LAUNCH(measure, grid_for(measure, blocks), kThreads, stream, o, a.lr, table, blocks, workspace);
+  GS_LAUNCH(measure, grid_for(measure, blocks), kThreads, stream, o, a.lr, table, blocks, b, workspace);
   GS_CUDA_CHECK_LAUNCH();
   GS_LAUNCH(factor_kernel, table.count, kThreads, stream, o, a.lr, table, workspace, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
-  GS_LAUNCH(apply, grid_for(apply, blocks), kThreads, stream, o, a.lr, table, blocks, workspace + factors_offset);
+  GS_LAUNCH(apply, grid_for(apply, blocks), kThreads, stream, o, a.lr, table, blocks, b, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
 }
 
@@ -346,7 +507,8 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   int64_t blocks = 0, chunk_base = 0;
   auto flush = [&]() {
     table.first_block[table.count] = blocks;
-    launch_table<T, States>(a, table, blocks, workspace, factors_offset, stream);
+    if (a.state_bits == 8) launch_table<T, States, 8>(a, table, blocks, workspace, factors_offset, stream);
+    else launch_table<T, States, 32>(a, table, blocks, workspace, factors_offset, stream);
     table = TensorTable{};
     blocks = 0;
   };
@@ -356,7 +518,14 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
     const int i = table.count++;
     table.param[i] = x.param;
     table.grad[i] = x.grad;
-    for (int j = 0; j < 4; ++j) table.state[j][i] = x.state[j];
+    for (int j = 0; j < 4; ++j) {
+      if (a.state_bits == 8) {
+        table.state[j][i] = x.codes[j];
+        table.absmax[j][i] = x.absmax[j];
+      } else {
+        table.state[j][i] = x.state[j];
+      }
+    }
     table.step[i] = x.step;
     table.numel[i] = x.numel;
     table.first_block[i] = blocks;
@@ -381,6 +550,32 @@ void run_typed(const OptimStepArgs& a, const OptimTensor* tensors, int count, fl
   }
 }
 
+// Standalone quantisation (state_dict conversions, graphsafe.ops): one thread per quantisation block, the
+// same rules as the fused step.
+__global__ void quantize_kernel(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                                float* absmax) {
+  const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (b >= block_count(numel, block_size)) return;
+  const int64_t begin = b * block_size, end = min(numel, begin + block_size);
+  float scale = 0.0f;
+  for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
+  absmax[b] = scale;
+  const float* map = kDeviceMaps[is_signed ? 1 : 0].value;
+  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, zero_code(is_signed), normalized(x[i], scale));
+}
+
+__global__ void dequantize_kernel(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                                  bool is_signed, float* out) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < numel) out[i] = dequantize_value(kDeviceMaps[is_signed ? 1 : 0].value, codes[i], absmax[i / block_size]);
+}
+
+void check_block_size(const char* what, int block_size) {
+  if (!valid_block_size(block_size))
+    throw std::invalid_argument(std::string(what) + ": block_size must be a power of two from 32 to 1024, got " +
+                                std::to_string(block_size));
+}
+
 }  // namespace
 
 void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
@@ -402,6 +597,25 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
     case DType::BFloat16: run_typed<bf16_t>(a, tensors, count, ws, layout.factors_offset, s); break;
     default: break;
   }
+}
+
+void quantize_blockwise_cuda(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                             float* absmax, StreamHandle stream) {
+  check_block_size("quantize_blockwise", block_size);
+  const int64_t blocks = block_count(numel, block_size);
+  if (blocks == 0) return;
+  GS_LAUNCH(quantize_kernel, (blocks + kThreads - 1) / kThreads, kThreads, static_cast<cudaStream_t>(stream), x,
+            numel, block_size, is_signed, codes, absmax);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                               bool is_signed, float* out, StreamHandle stream) {
+  check_block_size("dequantize_blockwise", block_size);
+  if (numel == 0) return;
+  GS_LAUNCH(dequantize_kernel, (numel + kThreads - 1) / kThreads, kThreads, static_cast<cudaStream_t>(stream), codes,
+            absmax, numel, block_size, is_signed, out);
+  GS_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace graphsafe

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from .. import _C
+from .. import _C, ops
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS); for the others the core's
@@ -49,19 +49,21 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         skip_zeros: bool = False,
         state_bits: int = 32,
         block_size: int = 256,
+        min_8bit_size: int = 4096,
     ) -> None:
-        if state_bits == 8:
-            raise NotImplementedError("state_bits=8 (8-bit blockwise states) is not available yet; use state_bits=32")
-        if state_bits != 32:
-            raise ValueError(f"state_bits must be 32 or 8, got {state_bits}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if state_bits not in (32, 8) or isinstance(state_bits, bool):
+            raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
+        if not (isinstance(block_size, int) and 32 <= block_size <= 1024 and block_size & (block_size - 1) == 0):
+            raise ValueError(f"block_size must be a power of two from 32 to 1024, got {block_size!r}")
+        if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
         lr = defaults["lr"]
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("lr must be a number or a one-element tensor")
         if (float(lr) if not isinstance(lr, Tensor) else float(lr.detach().cpu())) < 0.0:
             raise ValueError(f"Invalid learning rate: {float(lr)}")
-        defaults = dict(defaults, skip_zeros=bool(skip_zeros), state_bits=state_bits, block_size=block_size)
+        defaults = dict(defaults, skip_zeros=bool(skip_zeros), state_bits=state_bits, block_size=block_size,
+                        min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_group(group)
@@ -123,16 +125,44 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     # ---- the step ----
 
-    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str]) -> dict[str, Tensor]:
-        """p's state, created on its first step. A state an option turns on later (e.g. SGD momentum set
-        after the first step) starts from its initial value (zeros; torch's SGD would start the buffer as a
-        copy of the gradient, which differs only when dampening != 0)."""
+    def _is_8bit(self, group: dict[str, Any], p: Tensor) -> bool:
+        """Whether p keeps 8-bit states: state_bits=8 and at least min_8bit_size elements."""
+        return group["state_bits"] == 8 and p.numel() >= group["min_8bit_size"]
+
+    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str], eight: bool) -> dict[str, Any]:
+        """p's state in the form the core needs, created on its first step and converted when the form
+        changed (a state_dict of the other kind was loaded, or state_bits / block_size was changed).
+
+        fp32 form: 'step' and one fp32 tensor per name. 8-bit form: 'step', 'block_size' and per name the
+        codes (uint8, p's shape), '<name>_absmax' (fp32, one per block) and '<name>_qmap' (the 256-value map
+        the codes index). A state an option turns on later (e.g. SGD momentum set after the first step)
+        starts from its initial value (zeros; torch's SGD would start the buffer as a copy of the gradient,
+        which differs only when dampening != 0)."""
         state = self.state[p]
-        if len(state) != len(names) + 1:
-            state.setdefault("step", torch.zeros((), dtype=torch.float32, device=p.device))
-            for name in names:
-                if name not in state:
-                    state[name] = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
+        step = state.get("step", 0.0)
+        if not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device == p.device and step.dim() == 0):
+            state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
+        block_size = group["block_size"]
+        options = self._core_options(group)
+        for j, name in enumerate(names):
+            signed = _C.optim_state_is_signed(self.algorithm, options, j)
+            if eight and _holds_8bit(state, name, p, block_size, signed):
+                continue
+            value = _state_as_fp32(state, name, p, type(self).__name__)
+            if value is None:
+                value = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
+            for key in (f"{name}_absmax", f"{name}_qmap"):
+                state.pop(key, None)
+            if eight:
+                codes, absmax = ops.quantize_blockwise(value, block_size, signed)
+                state[name], state[f"{name}_absmax"] = codes, absmax
+                state[f"{name}_qmap"] = ops.quantization_map(signed, p.device)
+            else:
+                state[name] = value
+        if eight:
+            state["block_size"] = block_size
+        else:
+            state.pop("block_size", None)
         return state
 
     def _reject_grad(self, p: Tensor, g: Tensor) -> None:
@@ -179,21 +209,29 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if dtype.is_complex:
                 raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
             raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {dtype}")
-        param_ptrs, grad_ptrs, state_ptrs, step_ptrs, numels, contiguous_copies = [], [], [], [], [], []
-        all_states, state_len = self.state, len(names) + 1  # a parameter's state: its step and named states
+        # Two core calls at most: parameters with fp32 states, and those with 8-bit states.
+        calls = {32: ([], [], [], [], [], []), 8: ([], [], [], [], [], [])}  # params, grads, states, absmax, steps, numels
+        contiguous_copies = []  # alive until the core calls have been issued
+        all_states = self.state
+        state_len = {32: len(names) + 1, 8: 3 * len(names) + 2}  # step (+ block_size), and per name 1 or 3
         for p in params:
             g = p.grad
             if not (g.layout is torch.strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
                 self._reject_grad(p, g)
             if not g.is_contiguous():
                 g = g.contiguous()
-                contiguous_copies.append(g)  # alive until the core call has been issued
+                contiguous_copies.append(g)
+            eight = self._is_8bit(group, p)
+            bits = 8 if eight else 32
             state = all_states[p]
-            if len(state) != state_len:
-                state = self._state_of(group, p, names)
+            if len(state) != state_len[bits] or (eight and state.get("block_size") != group["block_size"]):
+                state = self._state_of(group, p, names, eight)
+            param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels = calls[bits]
             param_ptrs.append(p.data_ptr())
             grad_ptrs.append(g.data_ptr())
             state_ptrs.append([state[n].data_ptr() for n in names])
+            if eight:
+                absmax_ptrs.append([state[f"{n}_absmax"].data_ptr() for n in names])
             step_ptrs.append(state["step"].data_ptr())
             numels.append(p.numel())
         lr = group["lr"]
@@ -201,26 +239,33 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if not isinstance(lr, Tensor) and float(lr) < 0.0:
                 raise ValueError(f"Invalid learning rate: {lr}")
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
-        workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
-                           if self.algorithm in _NEEDS_WORKSPACE else 0)
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-        _C.optim_step(
-            device.type,
-            device.index or 0,
-            torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
-            self.algorithm,
-            options,
-            _dtype_name(dtype),
-            lr.data_ptr(),
-            param_ptrs,
-            grad_ptrs,
-            state_ptrs,
-            step_ptrs,
-            numels,
-            workspace.data_ptr() if workspace is not None else 0,
-            workspace_bytes,
-            increment_steps=True,  # the core adds 1 to every step first (one launch on CUDA)
-        )
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        for bits, (param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels) in calls.items():
+            if not param_ptrs:
+                continue
+            workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
+                               if self.algorithm in _NEEDS_WORKSPACE else 0)
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
+            _C.optim_step(
+                device.type,
+                device.index or 0,
+                stream,
+                self.algorithm,
+                options,
+                _dtype_name(dtype),
+                lr.data_ptr(),
+                param_ptrs,
+                grad_ptrs,
+                state_ptrs,
+                step_ptrs,
+                numels,
+                workspace.data_ptr() if workspace is not None else 0,
+                workspace_bytes,
+                increment_steps=True,  # the core adds 1 to every step first (one launch on CUDA)
+                state_bits=bits,
+                block_size=group["block_size"],
+                absmax=absmax_ptrs,
+            )
 
     # ---- persistence ----
 
@@ -269,24 +314,49 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         self._conform_loaded_state()
 
     def _conform_loaded_state(self) -> None:
-        """The core writes states through raw addresses, so every loaded state must be what the kernels
-        expect: fp32 (a torch.optim state_dict keeps bf16/fp16 states for half parameters: widened here),
-        contiguous, the parameter's shape, on its device; step a 0-d fp32 tensor there."""
+        """The core writes states through raw addresses, so every loaded state is brought into the form
+        the kernels expect (see _state_of): fp32 or 8-bit as this optimizer keeps that parameter (a state of
+        the other kind is converted; torch's bf16/fp16 states are widened), contiguous, the parameter's
+        shape, on its device; step a 0-d fp32 tensor there."""
         for group in self.param_groups:
             names = self._state_names(group)
             for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    continue
-                step = state.get("step", 0.0)
-                state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
-                for name in names:
-                    if name not in state:
-                        continue
-                    value = state[name]
-                    if not isinstance(value, Tensor) or value.shape != p.shape:
-                        raise ValueError(
-                            f"{type(self).__name__}.load_state_dict: state '{name}' has shape "
-                            f"{tuple(getattr(value, 'shape', ()))}, its parameter {tuple(p.shape)}"
-                        )
-                    state[name] = value.detach().to(device=p.device, dtype=torch.float32).contiguous()
+                if self.state.get(p):
+                    self._state_of(group, p, names, self._is_8bit(group, p))
+
+
+def _holds_8bit(state: dict[str, Any], name: str, p: Tensor, block_size: int, signed: bool) -> bool:
+    """Whether state already holds `name` as 8-bit codes the kernels can use as they are: this block size,
+    graphsafe's map, on p's device, the right shapes (anything else is converted)."""
+    codes, absmax, qmap = state.get(name), state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
+    if not (isinstance(codes, Tensor) and isinstance(absmax, Tensor) and isinstance(qmap, Tensor)):
+        return False
+    blocks = (p.numel() + block_size - 1) // block_size
+    ok = (state.get("block_size") == block_size and codes.dtype == torch.uint8 and codes.shape == p.shape
+          and codes.device == p.device and codes.is_contiguous() and absmax.dtype == torch.float32
+          and absmax.shape == (blocks,) and absmax.device == p.device and absmax.is_contiguous()
+          and qmap.device == p.device and torch.equal(qmap.cpu(), ops.quantization_map(signed)))
+    return bool(ok)
+
+
+def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, owner: str) -> Tensor | None:
+    """state[name] as an fp32 tensor of p's shape on p's device (8-bit codes dequantised with the saved map
+    and block size), or None if absent."""
+    value = state.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{owner}.load_state_dict: state '{name}' is not a tensor")
+    absmax, qmap = state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
+    if value.dtype == torch.uint8 and isinstance(absmax, Tensor) and isinstance(qmap, Tensor):
+        block_size = state.get("block_size")
+        if not isinstance(block_size, int) or block_size <= 0 or qmap.numel() != 256:
+            raise ValueError(f"{owner}.load_state_dict: 8-bit state '{name}' needs its block_size and a 256-value map")
+        if value.numel() != p.numel() or absmax.numel() != (p.numel() + block_size - 1) // block_size:
+            raise ValueError(f"{owner}.load_state_dict: 8-bit state '{name}' does not fit its parameter of shape {tuple(p.shape)}")
+        scales = absmax.detach().to(p.device, torch.float32).repeat_interleave(block_size)[: p.numel()]
+        value = qmap.detach().to(p.device, torch.float32)[value.detach().to(p.device).reshape(-1).long()] * scales
+        return value.reshape(p.shape).contiguous()
+    if value.shape != p.shape:
+        raise ValueError(f"{owner}.load_state_dict: state '{name}' has shape {tuple(value.shape)}, its parameter {tuple(p.shape)}")
+    return value.detach().to(device=p.device, dtype=torch.float32).contiguous()

@@ -1,6 +1,6 @@
 """The nine optimizers. Adam, AdamW, SGD, RMSprop and Adagrad take the numerical options of their
 torch.optim namesakes and give the same numbers; Lion, LAMB, LARS and AdEMAMix follow their papers
-(docs/optim.md has every formula). All add skip_zeros, state_bits and block_size.
+(docs/optim.md has every formula). All add skip_zeros, state_bits, block_size and min_8bit_size.
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ class Adam(GraphsafeOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, skip_zeros=False, state_bits=32, block_size=256):
+                 decoupled_weight_decay=False, skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         _reject_differentiable(type(self).__name__, differentiable)
         if decoupled_weight_decay:
             self.algorithm = "adamw"
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         beta1, beta2 = group["betas"]
@@ -56,10 +58,12 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 skip_zeros=False, state_bits=32, block_size=256):
+                 skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize, differentiable=differentiable, decoupled_weight_decay=True,
-                         skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+                         skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
 
 class SGD(GraphsafeOptimizer):
@@ -69,11 +73,13 @@ class SGD(GraphsafeOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None,
-                 skip_zeros=False, state_bits=32, block_size=256):
+                 skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         _reject_differentiable(type(self).__name__, differentiable)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         return dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
@@ -90,11 +96,13 @@ class RMSprop(GraphsafeOptimizer):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                  capturable=False, foreach=None, maximize=False, differentiable=False, *,
-                 skip_zeros=False, state_bits=32, block_size=256):
+                 skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         _reject_differentiable(type(self).__name__, differentiable)
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                         centered=centered, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         return dict(alpha=float(group["alpha"]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
@@ -116,13 +124,15 @@ class Adagrad(GraphsafeOptimizer):
 
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
                  foreach=None, *, maximize=False, differentiable=False, fused=None,
-                 skip_zeros=False, state_bits=32, block_size=256):
+                 skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         _reject_differentiable(type(self).__name__, differentiable)
         if initial_accumulator_value < 0.0:
             raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
         defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         return dict(lr_decay=float(group["lr_decay"]), eps=float(group["eps"]),
@@ -141,9 +151,11 @@ class Lion(GraphsafeOptimizer):
     algorithm = "lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 skip_zeros=False, state_bits=32, block_size=256):
+                 skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         beta1, beta2 = group["betas"]
@@ -160,10 +172,12 @@ class LAMB(GraphsafeOptimizer):
     algorithm = "lamb"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True, *,
-                 maximize=False, skip_zeros=False, state_bits=32, block_size=256):
+                 maximize=False, skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         beta1, beta2 = group["betas"]
@@ -181,10 +195,12 @@ class LARS(GraphsafeOptimizer):
     algorithm = "lars"
 
     def __init__(self, params, lr=1e-1, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=1e-8, *,
-                 maximize=False, skip_zeros=False, state_bits=32, block_size=256):
+                 maximize=False, skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
                         eps=eps, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         return dict(momentum=float(group["momentum"]), weight_decay=float(group["weight_decay"]),
@@ -201,12 +217,14 @@ class AdEMAMix(GraphsafeOptimizer):
     algorithm = "ademamix"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None,
-                 eps=1e-8, weight_decay=0.0, *, maximize=False, skip_zeros=False, state_bits=32, block_size=256):
+                 eps=1e-8, weight_decay=0.0, *, maximize=False, skip_zeros=False, state_bits=32, block_size=256,
+                 min_8bit_size=4096):
         if len(tuple(betas)) != 3:
             raise ValueError(f"AdEMAMix takes three betas (beta1, beta2, beta3), got {betas}")
         defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
                         weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
 
     def _options(self, group):
         beta1, beta2, beta3 = group["betas"]

@@ -24,6 +24,18 @@ inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 #define __launch_bounds__(...)
 #define __shared__ static  // one copy for all threads: blocks run one after another (emu_launch)
 #define __restrict__
+#define __constant__
+
+// A warp shuffle among the block's threads (every thread of the block must call it, as graphsafe's
+// kernels do): each publishes its value, all meet, each reads its partner's, all meet again.
+inline float emu_shuffle_values[1024];
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+  emu_shuffle_values[threadIdx.x] = v;
+  __syncthreads();
+  const float partner = emu_shuffle_values[threadIdx.x ^ static_cast<unsigned>(lane_mask)];
+  __syncthreads();
+  return partner;
+}
 
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
@@ -31,6 +43,8 @@ inline void __stwb(float4* p, float4 v) { *p = v; }
 template <class V> inline V __ldcs(const V* p) { return *p; }
 template <class V> inline void __stcs(V* p, V v) { *p = v; }
 struct float2 { float x, y; };
+struct alignas(4) uchar4 { unsigned char x, y, z, w; };
+inline uchar4 make_uchar4(unsigned char x, unsigned char y, unsigned char z, unsigned char w) { return uchar4{x, y, z, w}; }
 template <class A, class B> inline auto min(A a, B b) { return a < b ? a : b; }
 
 using cudaStream_t = void*;

@@ -1,0 +1,113 @@
+// 8-bit blockwise quantisation of optimizer states, shared by both backends (docs/optim.md "8-bit states").
+//
+// A state tensor is cut into blocks of `block_size` consecutive elements. Each block keeps one fp32 absmax
+// (the largest |value|, NaN if any value is NaN) and one 8-bit code per element; the value is
+// map[code] * absmax. The maps are non-linear ("dynamic": a sign, a decade and a linear fraction), dense
+// near zero where optimizer moments live and exact at 0 and ±1:
+//   unsigned (second moments, sums of squares): 0, 1, and in each decade [0.1, 1] * 10^-d, d = 0..6,
+//     2^(7-d) levels at the midpoints of equal steps (128 + 64 + ... + 2 = 254 levels);
+//   signed (first moments, momentum): 0, ±1, positive levels as above with 2^(6-d) per decade for d = 0..6
+//     (127), negative levels the same without the smallest (126).
+// Quantising picks the nearest map value to value / absmax; on an exact tie, the one nearer zero.
+#pragma once
+
+#include <cstdint>
+
+#include "common/numeric.h"
+#include "graphsafe/optim.h"
+
+namespace graphsafe::optim_detail {
+
+struct QuantizationMap {
+  float value[256];  // strictly increasing
+};
+
+constexpr int kLevelsPerDecade(bool is_signed, int decade) { return 1 << ((is_signed ? 6 : 7) - decade); }
+
+// The positive levels of decade d (ascending), written into out; returns how many.
+constexpr int decade_levels(bool is_signed, int decade, float* out) {
+  double scale = 1.0;
+  for (int i = 0; i < decade; ++i) scale /= 10.0;
+  const int n = kLevelsPerDecade(is_signed, decade);
+  for (int i = 0; i < n; ++i) out[i] = static_cast<float>(scale * (0.1 + 0.9 * (i + 0.5) / n));
+  return n;
+}
+
+constexpr QuantizationMap make_quantization_map(bool is_signed) {
+  float positive[256] = {};  // ascending positive levels, smallest decade first
+  int count = 0;
+  for (int d = 6; d >= 0; --d) count += decade_levels(is_signed, d, positive + count);
+  // unsigned: 0, 254 levels, 1; signed: -1, 126 negative levels (the smallest left out), 0, 127 positive, 1
+  QuantizationMap m{};
+  int k = 0;
+  if (is_signed) {
+    m.value[k++] = -1.0f;
+    for (int i = count - 1; i >= 1; --i) m.value[k++] = -positive[i];
+  }
+  m.value[k++] = 0.0f;
+  for (int i = 0; i < count; ++i) m.value[k++] = positive[i];
+  m.value[k++] = 1.0f;
+  return m;
+}
+
+inline constexpr QuantizationMap kSignedMap = make_quantization_map(true);
+inline constexpr QuantizationMap kUnsignedMap = make_quantization_map(false);
+
+// Whether state j of the algorithm can be negative (a signed map) or not (an unsigned one).
+GS_HD bool state_is_signed(const OptimOptions& o, int j) {
+  switch (o.algorithm) {
+    case OptimAlgorithm::Adam:
+    case OptimAlgorithm::AdamW:
+    case OptimAlgorithm::LAMB: return j == 0;            // exp_avg | exp_avg_sq, max_exp_avg_sq
+    case OptimAlgorithm::RMSprop: return j > 0;          // square_avg | grad_avg, momentum_buffer
+    case OptimAlgorithm::Adagrad: return false;          // sum
+    case OptimAlgorithm::AdEMAMix: return j < 2;         // exp_avg, exp_avg_slow | exp_avg_sq
+    default: return true;                                // SGD, LARS momentum_buffer; Lion exp_avg
+  }
+}
+
+// The code of x = value / absmax (|x| <= 1 up to rounding) in `map`: the nearest map value, the one nearer
+// zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code of 0 (the block's
+// absmax is NaN then, so the value decodes to NaN anyway).
+GS_HD uint8_t quantize_value(const float* map, int zero_code, float x) {
+  if (!(x == x)) return static_cast<uint8_t>(zero_code);
+  // lower bound: the first code whose value is >= x
+  int lo = 0, hi = 256;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (map[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == 0) return 0;
+  if (lo == 256) return 255;
+  const float above = map[lo] - x, below = x - map[lo - 1];
+  if (above < below) return static_cast<uint8_t>(lo);
+  if (below < above) return static_cast<uint8_t>(lo - 1);
+  return static_cast<uint8_t>(lo - 1 >= zero_code ? lo - 1 : lo);  // tie: toward zero
+}
+
+inline constexpr int kSignedZeroCode = 127;  // -1 and 126 negative levels come first
+inline constexpr int kUnsignedZeroCode = 0;
+
+GS_HD int zero_code(bool is_signed) { return is_signed ? kSignedZeroCode : kUnsignedZeroCode; }
+
+// The block's scale: NaN if any value is NaN, else the largest |value|.
+GS_HD float absmax_step(float running, float value) {
+  const float a = value < 0.0f ? -value : value;
+  if (a != a) return a;
+  if (running != running) return running;
+  return a > running ? a : running;
+}
+
+// value / absmax, the quantiser's input; 0 for an all-zero block.
+GS_HD float normalized(float value, float absmax) { return absmax > 0.0f ? value / absmax : 0.0f; }
+
+GS_HD float dequantize_value(const float* map, uint8_t code, float absmax) { return map[code] * absmax; }
+
+// Block sizes both backends support: powers of two from 32 to 1024 (a block is covered by 8 to 256 CUDA
+// threads of 4 elements each, inside one 1024-element pass of a thread block).
+GS_HD bool valid_block_size(int64_t b) { return b >= 32 && b <= 1024 && (b & (b - 1)) == 0; }
+
+GS_HD int64_t block_count(int64_t numel, int64_t block_size) { return (numel + block_size - 1) / block_size; }
+
+}  // namespace graphsafe::optim_detail
