@@ -17,6 +17,9 @@
   as torch's whole-network capture example does; gradients are static tensors that new values are copied
   into) and replayed 10 times with an lr scheduler stepping between replays (outside the graph): bitwise
   equal to the same 10 eager steps on a copy, so the graph reads lr and step from device memory.
+* 8-bit states (state_bits=8): CUDA vs CPU (codes within one map step, absmax and params to tolerance) for
+  every algorithm and three block sizes; the captured step == eager bitwise; quantize/dequantize ops CUDA ==
+  CPU bitwise.
 * skip_zeros bit-identity (scattered zeros and whole zero rows, +0.0 and -0.0, vector and scalar paths),
   NaN not skipped, skip_zeros on without zeros == off; bitwise repeatability; state_dict between devices.
 """
@@ -189,6 +192,71 @@ def test_cuda_matches_cpu(case, dtype, skip_zeros):
     assert_cuda_close_to_cpu(opt_cuda, params_cuda, opt_cpu, params_cpu, f"{case} {dtype}")
 
 
+# --------------------------------------------------------------------------------------------------------
+# 8-bit states: CUDA vs CPU
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [32, 256, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
+def test_8bit_cuda_matches_cpu(case, dtype, block_size):
+    """8-bit states, every parameter quantised (min_8bit_size=0), sizes that end in partial blocks and
+    chunks, unaligned pointers, scattered zeros with skip_zeros on. After 10 steps: codes differ by at most
+    one step of the map and absmax within 1e-5 (the same rules in the same fp32 arithmetic; LAMB/LARS norms
+    are summed in a different order), fp32 params within 1e-5, bf16 params within 2 ulps."""
+    seed = stable_seed("8bit-cuda-vs-cpu", case, str(dtype), block_size)
+    params_cpu = make_params(SHAPES, dtype, make_generator(seed), offsets=OFFSETS)
+    params_cuda = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
+    grads_cpu, grads_cuda = attach_grads(params_cpu, OFFSETS), attach_grads(params_cuda, OFFSETS)
+    extra = dict(skip_zeros=True, state_bits=8, min_8bit_size=0, block_size=block_size)
+    opt_cpu, opt_cuda = make_opt(case, params_cpu, **extra), make_opt(case, params_cuda, **extra)
+    gen = make_generator(seed + 1)
+    largest = LargestMagnitude(params_cpu)
+    for step in range(10):
+        values = draw_grads(params_cpu, dtype, gen, zero_fraction=0.2)
+        copy_into(grads_cpu, values)
+        copy_into(grads_cuda, values)
+        opt_cpu.step()
+        opt_cuda.step()
+        largest.update(params_cpu)
+    torch.cuda.synchronize()
+    for i, (c, h) in enumerate(zip(params_cuda, params_cpu)):
+        what = f"{case} {dtype} block {block_size} param {i}"
+        if dtype == torch.float32:
+            assert_rel_close(c, h, TOL, what)
+        else:
+            assert_within_ulps(c.detach().cpu(), h, 2, what, scale=largest.values[i])
+        sc, sh = opt_cuda.state[c], opt_cpu.state[h]
+        assert sc.keys() == sh.keys(), what
+        for name in [k for k in sh if isinstance(sh[k], torch.Tensor) and sh[k].dtype == torch.uint8]:
+            codes_c, codes_h = sc[name].cpu().long(), sh[name].long()
+            assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
+            assert_rel_close(sc[f"{name}_absmax"], sh[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
+        assert float(sc["step"]) == float(sh["step"]) == 10
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("block_size", [32, 256, 1024])
+def test_quantize_blockwise_cuda_equals_cpu_bitwise(block_size, signed):
+    from graphsafe import ops
+
+    gen = make_generator(stable_seed("quantize", block_size, signed))
+    x = torch.randn(100_003, generator=gen) * torch.logspace(-6, 2, 100_003)
+    if not signed:
+        x = x.abs()
+    x[5000:5000 + block_size] = 0.0  # an all-zero block
+    x[20_000] = float("nan")
+    codes_cpu, absmax_cpu = ops.quantize_blockwise(x, block_size, signed)
+    codes_cuda, absmax_cuda = ops.quantize_blockwise(x.to(CUDA), block_size, signed)
+    assert torch.equal(codes_cuda.cpu(), codes_cpu)
+    assert_bitwise_equal(absmax_cuda.cpu(), absmax_cpu, "absmax")
+    out_cpu = ops.dequantize_blockwise(codes_cpu, absmax_cpu, block_size, signed)
+    out_cuda = ops.dequantize_blockwise(codes_cuda, absmax_cuda, block_size, signed)
+    # exact values (NaN payloads may differ: the GPU's arithmetic returns its canonical NaN)
+    torch.testing.assert_close(out_cuda.cpu(), out_cpu, rtol=0, atol=0, equal_nan=True)
+
+
 def assorted_shapes(gen, count=100):
     """`count` shapes: mostly small odd sizes, some 2-D, a few over one or several 4096-element chunks,
     one empty parameter."""
@@ -251,15 +319,17 @@ def lr_factor(epoch: int) -> float:
     return 0.8**epoch * (1 + epoch % 3)
 
 
+@pytest.mark.parametrize("state_bits", [32, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
-def test_captured_step_with_lr_scheduler_equals_eager(case, dtype):
-    seed = stable_seed("graph", case, str(dtype))
+def test_captured_step_with_lr_scheduler_equals_eager(case, dtype, state_bits):
+    seed = stable_seed("graph", case, str(dtype), state_bits)
     params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     eager_params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     static_grads, eager_grads = attach_grads(params, OFFSETS), attach_grads(eager_params, OFFSETS)
-    opt = make_opt(case, params, skip_zeros=True)
-    eager = make_opt(case, eager_params, skip_zeros=True)
+    bits = dict(state_bits=state_bits, min_8bit_size=0, block_size=64) if state_bits == 8 else {}
+    opt = make_opt(case, params, skip_zeros=True, **bits)
+    eager = make_opt(case, eager_params, skip_zeros=True, **bits)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     eager_sched = torch.optim.lr_scheduler.LambdaLR(eager, lr_factor)
     gen = make_generator(seed + 1)

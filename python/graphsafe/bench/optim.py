@@ -44,6 +44,9 @@ TWO_PASS = ("LAMB", "LARS")
 OPTIONS = {"AdamW": dict(lr=1e-3, weight_decay=1e-2), "SGD": dict(lr=1e-3, momentum=0.9)}
 TARGET_PCT_COPY_BW = 90.0
 TARGET_MS = 0.50
+# 8-bit states (issue 4): AdamW at 64M parameters, fp32 and bf16.
+TARGET_8BIT_MS = {torch.float32: 0.37, torch.bfloat16: 0.25}
+TARGET_8BIT_PCT_COPY_BW = 70.0
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture, as torch.cuda.graph's docs ask
 GRAPH_CHECK_REPLAYS = 2  # replays compared bitwise with the same number of eager steps
 BYTES_FORMULA = (
@@ -58,10 +61,12 @@ class OptimCase:
     total: int  # elements over all tensors
     dtype: torch.dtype
     tensors: int
+    state_bits: int = 32  # graphsafe's states (torch's are always its own)
 
     @property
     def label(self) -> str:
-        return f"{self.algorithm} {fmt_count(self.total)} {dtype_short(self.dtype)} ×{self.tensors}"
+        eight = " 8-bit" if self.state_bits == 8 else ""
+        return f"{self.algorithm}{eight} {fmt_count(self.total)} {dtype_short(self.dtype)} ×{self.tensors}"
 
     def sizes(self) -> list[int]:
         """`tensors` sizes summing to `total`, as equal as possible (the first ones one element larger)."""
@@ -99,6 +104,13 @@ def algorithm_cases(quick: bool) -> list[OptimCase]:
     return [OptimCase("algorithms", a, HEADLINE_TOTAL // _divisor(quick), torch.float32, 1) for a in ALGORITHMS]
 
 
+def eight_bit_cases(quick: bool) -> list[OptimCase]:
+    """All nine algorithms with 8-bit states at 64M fp32, and AdamW at 64M bf16."""
+    total = HEADLINE_TOTAL // _divisor(quick)
+    cases = [OptimCase("8bit", a, total, torch.float32, 1, state_bits=8) for a in ALGORITHMS]
+    return cases + [OptimCase("8bit", "AdamW", total, torch.bfloat16, 1, state_bits=8)]
+
+
 def graph_cases(quick: bool) -> list[OptimCase]:
     return [OptimCase("graph", "AdamW", HEADLINE_TOTAL // _divisor(quick), torch.float32, n) for n in TENSOR_COUNTS]
 
@@ -121,8 +133,8 @@ def make_params(case: OptimCase, device: torch.device, seed: int) -> list[torch.
     return params
 
 
-def graphsafe_optimizer(algorithm: str, params) -> torch.optim.Optimizer:
-    return getattr(graphsafe.optim, algorithm)(params, **OPTIONS.get(algorithm, {}))
+def graphsafe_optimizer(algorithm: str, params, state_bits: int = 32) -> torch.optim.Optimizer:
+    return getattr(graphsafe.optim, algorithm)(params, **OPTIONS.get(algorithm, {}), state_bits=state_bits)
 
 
 def torch_optimizer(algorithm: str, params, impl: str) -> torch.optim.Optimizer:
@@ -144,7 +156,7 @@ def torch_impl(algorithm: str, dtype: torch.dtype, device: torch.device) -> tupl
 def new_optimizer(case: OptimCase, method: str, device: torch.device, seed: int) -> torch.optim.Optimizer:
     params = make_params(case, device, seed)
     if method == "graphsafe":
-        return graphsafe_optimizer(case.algorithm, params)
+        return graphsafe_optimizer(case.algorithm, params, case.state_bits)
     return torch_optimizer(case.algorithm, params, torch_impl(case.algorithm, case.dtype, device)[0])
 
 
@@ -346,7 +358,7 @@ def run_suite(ctx: BenchContext) -> list[dict]:
     for case in compare_cases(ctx.quick):
         theirs = emit(measure_method(ctx, case, "torch"))
         emit(measure_method(ctx, case, "graphsafe", theirs.get("ms_median")))
-    for case in algorithm_cases(ctx.quick):
+    for case in algorithm_cases(ctx.quick) + eight_bit_cases(ctx.quick):
         emit(measure_method(ctx, case, "graphsafe"))
     for case in graph_cases(ctx.quick):
         emit(measure_graph(ctx, case))
@@ -373,6 +385,17 @@ def evaluate_targets(records: list[dict], ctx: BenchContext) -> list[Target]:
     for case in compare_cases(ctx.quick):
         targets.append(_relative_target(case, found.get(("compare", case.label, "graphsafe"), {}),
                                         found.get(("compare", case.label, "torch"), {}), ctx))
+    for case in eight_bit_cases(ctx.quick):
+        if case.algorithm != "AdamW":
+            continue
+        eight = found.get(("8bit", case.label, "graphsafe"), {})
+        limit = TARGET_8BIT_MS[case.dtype]
+        targets.append(_absolute_target(f"{case.label}: median ≤ {limit:.2f} ms", eight, "ms_median", limit,
+                                        higher_is_better=False, unit=" ms", ctx=ctx))
+        if case.dtype == torch.float32:
+            targets.append(_absolute_target(f"{case.label}: ≥ {TARGET_8BIT_PCT_COPY_BW:.0f}% of copy BW", eight,
+                                            "pct_copy_bw", TARGET_8BIT_PCT_COPY_BW, higher_is_better=True,
+                                            unit="%", ctx=ctx))
     return targets
 
 
@@ -414,7 +437,9 @@ def render(records: list[dict], ctx: BenchContext) -> str:
     found = _index(records)
     errors = [f"- {r['group']} {r['case']} {_method_name(r)}: {r['error']}" for r in found.values() if "error" in r]
     parts = [f"## optimizer step: graphsafe vs torch.optim ({ctx.describe_device()})", _compare_table(found, ctx),
-             "### all nine graphsafe algorithms", _algorithms_table(found, ctx),
+             "### all nine graphsafe algorithms", _algorithms_table(found, ctx, algorithm_cases(ctx.quick)),
+             "### 8-bit states (state_bits=8, block_size=256; absmax not counted in B/elem)",
+             _algorithms_table(found, ctx, eight_bit_cases(ctx.quick)),
              "### graphsafe AdamW step captured in a CUDA graph", _graph_table(found, ctx), _legend(records, ctx)]
     if errors:
         parts.append("Errors:\n" + "\n".join(errors))
@@ -436,12 +461,12 @@ def _compare_table(found: dict, ctx: BenchContext) -> str:
     return markdown_table(headers, rows, (False, False, False) + (True,) * 7)
 
 
-def _algorithms_table(found: dict, ctx: BenchContext) -> str:
-    headers = ("algorithm", "states (fp32)", "B/elem", "ms median", "ms min", "host ms", "GB/s", "% copy BW (roofline)",
+def _algorithms_table(found: dict, ctx: BenchContext, cases: list[OptimCase]) -> str:
+    headers = ("algorithm", "states", "B/elem", "ms median", "ms min", "host ms", "GB/s", "% copy BW (roofline)",
                "note")
     rows = []
-    for case in algorithm_cases(ctx.quick):
-        r = found.get(("algorithms", case.label, "graphsafe"))
+    for case in cases:
+        r = found.get((case.group, case.label, "graphsafe"))
         if r is None:
             continue
         note = "2 passes; bytes of 1" if case.algorithm in TWO_PASS else ""

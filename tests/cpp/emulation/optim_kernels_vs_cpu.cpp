@@ -1,7 +1,8 @@
 // The optimizer's CUDA kernels (src/optim/cuda.cu compiled as C++ against emulation/common/cuda_check.h)
 // against the CPU backend, on problems chosen to reach every path: all nine algorithms, fp32/bf16/fp16,
 // skip_zeros on and off, sizes below, at and above a 4096-element chunk and not multiples of 4, pointers off
-// 16-byte alignment, more tensors than one launch holds (32), and empty tensors. This is CI's check of the
+// 16-byte alignment, more tensors than one launch holds (32), and empty tensors; and 8-bit states
+// (state_bits = 8) with block sizes 32 to 1024. This is CI's check of the
 // kernels' logic (indexing, barriers, shared memory, launch tables); the GPU itself is checked by
 // tests/python/test_optim_cuda.py on a device.
 #include <gtest/gtest.h>
@@ -25,9 +26,12 @@ uint32_t raw_bits(T x) {
   return u;
 }
 
-// Runs `steps` steps of the same problem through both backends; returns the number of mismatches.
+// Runs `steps` steps of the same problem through both backends; returns the number of mismatches. With
+// state_bits = 8 the states are blockwise 8-bit codes of block_size elements: codes may differ by one map
+// step and absmax by 1e-5 relative (LAMB/LARS norms), parameters as with fp32 states.
 template <class T>
-int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) {
+int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, int state_bits = 32,
+            int block_size = 256) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   const int states = optim_state_count(o);
@@ -40,7 +44,20 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) 
   }
   std::vector<std::vector<T>> param_cpu(tensors), param_emu(tensors), param_start(tensors), grad(tensors);
   std::vector<std::vector<std::vector<float>>> state_cpu(tensors), state_emu(tensors);
+  std::vector<std::vector<std::vector<uint8_t>>> codes_cpu(tensors), codes_emu(tensors);
+  std::vector<std::vector<std::vector<float>>> absmax_cpu(tensors), absmax_emu(tensors);
   for (int t = 0; t < tensors; ++t) {
+    if (state_bits == 8) {  // zero states, quantised (codes of 0, absmax 0)
+      const int64_t blocks = (numel[t] + block_size - 1) / block_size;
+      const std::vector<float> zeros(numel[t], 0.0f);
+      codes_cpu[t].assign(states, std::vector<uint8_t>(numel[t] + 4, 0));
+      absmax_cpu[t].assign(states, std::vector<float>(blocks + 1, 0.0f));
+      for (int j = 0; j < states; ++j)
+        quantize_blockwise_cpu(zeros.data(), numel[t], block_size, optim_state_is_signed(o, j),
+                               codes_cpu[t][j].data() + (offset[t] ? 1 : 0), absmax_cpu[t][j].data());
+      codes_emu[t] = codes_cpu[t];
+      absmax_emu[t] = absmax_cpu[t];
+    }
     param_cpu[t].resize(numel[t] + offset[t]);
     for (auto& x : param_cpu[t]) x = ElementTraits<T>::store(0.5f * normal(rng));
     param_emu[t] = param_start[t] = param_cpu[t];
@@ -71,6 +88,12 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) 
       for (int j = 0; j < states; ++j) {
         cpu[t].state[j] = state_cpu[t][j].data() + (offset[t] ? 1 : 0);
         emu[t].state[j] = state_emu[t][j].data() + (offset[t] ? 1 : 0);
+        if (state_bits == 8) {  // codes off 4-byte alignment too (the scalar path)
+          cpu[t].codes[j] = codes_cpu[t][j].data() + (offset[t] ? 1 : 0);
+          emu[t].codes[j] = codes_emu[t][j].data() + (offset[t] ? 1 : 0);
+          cpu[t].absmax[j] = absmax_cpu[t][j].data();
+          emu[t].absmax[j] = absmax_emu[t][j].data();
+        }
       }
       cpu[t].step = &step_cpu[t];
       emu[t].step = &step_emu[t];
@@ -80,6 +103,8 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) 
     args.options = o;
     args.lr = &lr;
     args.param_dtype = dtype;
+    args.state_bits = state_bits;
+    args.block_size = block_size;
     optim_step_cpu(args, cpu.data(), tensors, workspace_cpu.data(), workspace_bytes);
     args.increment_steps = true;
     optim_step_cuda(args, emu.data(), tensors, workspace_emu.data(), workspace_bytes, nullptr);
@@ -100,6 +125,24 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype) 
       // skip_zeros: an element whose gradient was zero on every step keeps its exact bits on both backends.
       if (never_updated[t][i] && raw_bits(param_emu[t][offset[t] + i]) != raw_bits(param_start[t][offset[t] + i]))
         ++mismatches;
+    }
+    for (int j = 0; state_bits == 8 && j < states; ++j) {
+      for (int64_t i = 0; i < numel[t]; ++i) {
+        const int c = codes_cpu[t][j][i + (offset[t] ? 1 : 0)], e = codes_emu[t][j][i + (offset[t] ? 1 : 0)];
+        if (std::abs(c - e) > 1) {
+          ADD_FAILURE() << "algorithm " << int(o.algorithm) << " tensor " << t << " state " << j << " element " << i
+                        << ": codes " << c << " (cpu) and " << e << " (emulated cuda)";
+          return mismatches + 1;
+        }
+      }
+      for (std::size_t b = 0; b + 1 < absmax_cpu[t][j].size(); ++b) {
+        const float c = absmax_cpu[t][j][b], e = absmax_emu[t][j][b];
+        if (!(std::fabs(c - e) <= 1e-5f * std::fabs(c)) && !(std::isnan(c) && std::isnan(e))) {
+          ADD_FAILURE() << "algorithm " << int(o.algorithm) << " tensor " << t << " state " << j << " block " << b
+                        << ": absmax " << c << " (cpu) and " << e << " (emulated cuda)";
+          return mismatches + 1;
+        }
+      }
     }
     // Same rules, same fp32 arithmetic; only LAMB/LARS norms are summed in another order (a block tree).
     const double tolerance = sizeof(T) == 4 ? 1e-5 : 2e-2;
@@ -134,6 +177,11 @@ TEST(OptimKernelsEmulated, MatchTheCpuBackend) {
       EXPECT_EQ(compare<float>(o, 40, 3, seed, DType::Float32), 0) << "fp32, algorithm " << algorithm;
       EXPECT_EQ(compare<bf16_t>(o, 36, 2, seed + 1, DType::BFloat16), 0) << "bf16, algorithm " << algorithm;
       EXPECT_EQ(compare<f16_t>(o, 6, 2, seed + 2, DType::Float16), 0) << "fp16, algorithm " << algorithm;
+      const int block_size = 32 << (2 * (algorithm % 3));  // 32, 128, 512
+      EXPECT_EQ(compare<float>(o, 12, 2, seed + 3, DType::Float32, 8, block_size), 0)
+          << "8-bit fp32, algorithm " << algorithm << " block " << block_size;
+      EXPECT_EQ(compare<bf16_t>(o, 8, 2, seed + 4, DType::BFloat16, 8, 1024), 0)
+          << "8-bit bf16, algorithm " << algorithm;
     }
   }
 }
