@@ -22,6 +22,8 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS); for the others the core's
 # optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
 _NEEDS_WORKSPACE = frozenset({"lamb", "lars"})
+# Group options that say how states are stored; load_state_dict keeps the loading optimizer's.
+_STORAGE_OPTIONS = ("state_bits", "block_size", "min_8bit_size")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -272,8 +274,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict from any graphsafe optimizer of the same algorithm, on any device.
 
-        Unlike torch.optim.Optimizer.load_state_dict, states stay fp32 for fp16/bf16 parameters (a
-        torch.optim state_dict's half states are widened) and move to their parameter's device; lr moves
+        Unlike torch.optim.Optimizer.load_state_dict, states take this optimizer's storage (state_bits,
+        block_size and min_8bit_size are kept from this optimizer, not the checkpoint): fp32 states are
+        quantised for parameters kept in 8 bits, 8-bit states dequantised for parameters kept in fp32, and a
+        torch.optim state_dict's half states are widened; states move to their parameter's device; lr moves
         with its group. A state of the wrong shape raises ValueError.
         """
         saved_groups = state_dict["param_groups"]
@@ -309,6 +313,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             })
             new["params"] = group["params"]
             new["lr"] = _lr_tensor(new["lr"], device)
+            # How states are stored is this optimizer's choice, not a hyperparameter: a checkpoint of the
+            # other kind is converted to it (_conform_loaded_state), never the optimizer to the checkpoint.
+            for key in _STORAGE_OPTIONS:
+                new[key] = group[key]
             groups.append(new)
         self.__setstate__({"state": state, "param_groups": groups})
         self._conform_loaded_state()
