@@ -83,7 +83,7 @@ def fmt_count(elements: int) -> str:
 
 
 def dtype_short(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "8-bit"}.get(dtype, str(dtype))
 
 
 def _divisor(quick: bool) -> int:
