@@ -11,6 +11,7 @@
 // Quantising picks the nearest map value to value / absmax; on an exact tie, the one nearer zero.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/numeric.h"
@@ -66,30 +67,56 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   }
 }
 
+inline constexpr int kSignedZeroCode = 127;  // -1 and 126 negative levels come first
+inline constexpr int kUnsignedZeroCode = 0;
+
+GS_HD int zero_code(bool is_signed) { return is_signed ? kSignedZeroCode : kUnsignedZeroCode; }
+
+#if defined(__CUDA_ARCH__)
+GS_HD float log10_f(float x) { return log10f(x); }
+GS_HD float floor_f(float x) { return floorf(x); }
+#else
+GS_HD float log10_f(float x) { return std::log10(x); }
+GS_HD float floor_f(float x) { return std::floor(x); }
+#endif
+
+// A first guess at the code of x (|x| < 1, not 0 or NaN) from the maps' structure: the decade from log10,
+// the level from the linear fraction. It is usually the answer or a neighbour; quantize_value then walks
+// to the exact one, so a poor guess costs time, never a different code.
+GS_HD int guess_code(bool is_signed, float x) {
+  const float a = x < 0.0f ? -x : x;
+  int d = static_cast<int>(floor_f(-log10_f(a)));
+  d = d < 0 ? 0 : (d > 6 ? 6 : d);
+  float t = a;
+  for (int i = 0; i < d; ++i) t = t * 10.0f;  // a * 10^d, in [0.1, 1) up to rounding
+  const int n = 1 << ((is_signed ? 6 : 7) - d);
+  int i = static_cast<int>((t - 0.1f) / 0.9f * static_cast<float>(n));
+  i = i < 0 ? 0 : (i >= n ? n - 1 : i);
+  if (!is_signed) return (1 << (7 - d)) - 1 + i;  // decade d's levels start at code 2^(7-d) - 1
+  const int positive = 128 + (1 << (6 - d)) - 1 + i;
+  return x > 0.0f ? positive : (positive == 128 ? kSignedZeroCode : 255 - positive);  // negatives mirror
+}
+
 // The code of x = value / absmax (|x| <= 1 up to rounding) in `map`: the nearest map value, the one nearer
 // zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code of 0 (the block's
-// absmax is NaN then, so the value decodes to NaN anyway).
-GS_HD uint8_t quantize_value(const float* map, int zero_code, float x) {
-  if (!(x == x)) return static_cast<uint8_t>(zero_code);
-  // lower bound: the first code whose value is >= x
-  int lo = 0, hi = 256;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (map[mid] < x) lo = mid + 1;
-    else hi = mid;
-  }
+// absmax is NaN then, so the value decodes to NaN anyway). Found as the first code whose value is >= x,
+// walking from guess_code (a few reads of the map instead of a binary search's eight).
+GS_HD uint8_t quantize_value(const float* map, bool is_signed, float x) {
+  if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
+  int lo;
+  if (x == 0.0f) lo = zero_code(is_signed);
+  else if (x >= 1.0f) lo = 255;
+  else if (x <= -1.0f) lo = 0;
+  else lo = guess_code(is_signed, x);
+  while (lo > 0 && map[lo - 1] >= x) --lo;
+  while (lo < 256 && map[lo] < x) ++lo;
   if (lo == 0) return 0;
   if (lo == 256) return 255;
   const float above = map[lo] - x, below = x - map[lo - 1];
   if (above < below) return static_cast<uint8_t>(lo);
   if (below < above) return static_cast<uint8_t>(lo - 1);
-  return static_cast<uint8_t>(lo - 1 >= zero_code ? lo - 1 : lo);  // tie: toward zero
+  return static_cast<uint8_t>(lo - 1 >= zero_code(is_signed) ? lo - 1 : lo);  // tie: toward zero
 }
-
-inline constexpr int kSignedZeroCode = 127;  // -1 and 126 negative levels come first
-inline constexpr int kUnsignedZeroCode = 0;
-
-GS_HD int zero_code(bool is_signed) { return is_signed ? kSignedZeroCode : kUnsignedZeroCode; }
 
 // The block's scale: NaN if any value is NaN, else the largest |value|.
 GS_HD float absmax_step(float running, float value) {

@@ -73,31 +73,34 @@ void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView
   }
 }
 
+// A tensor's chunk sums combined in the shared order (layout.h), then the trust factor.
+inline float combine_chunks(const OptimOptions& o, const Coefficients& k, const float* chunk_norms, int64_t chunks) {
+  NormTree tree;
+  for (int64_t c = 0; c < chunks; ++c)
+    tree.add(static_cast<int>(c % kNormThreads), chunk_norms[2 * c], chunk_norms[2 * c + 1]);
+  SquaredNorms total{0.0f, 0.0f};
+  tree.total(total.param, total.update);
+  return layerwise_factor(o, k, total);
+}
+
 template <class T, int States>
 void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T, States>& e, float* chunk_norms,
                float* factor) {
   const int64_t chunks = chunk_count(e.t.numel);
 #pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t c = 0; c < chunks; ++c) {
-    SquaredNorms sum{0.0f, 0.0f};
-    const int64_t end = std::min(e.t.numel, (c + 1) * kChunkElements);
-    for (int64_t i = c * kChunkElements; i < end; ++i) {
+    NormTree tree;
+    const int64_t begin = c * kChunkElements, end = std::min(e.t.numel, begin + kChunkElements);
+    for (int64_t i = begin; i < end; ++i) {
       float s[4] = {};
       e.load_states(i, s);
       const SquaredNorms n = layerwise_measure(o, k, e.grad(i), e.param(i), s);
       e.store_states(i, s);  // LAMB's moments
-      sum.param += n.param;
-      sum.update += n.update;
+      tree.add(norm_slot_of_element(i - begin), n.param, n.update);
     }
-    chunk_norms[2 * c] = sum.param;
-    chunk_norms[2 * c + 1] = sum.update;
+    tree.total(chunk_norms[2 * c], chunk_norms[2 * c + 1]);
   }
-  SquaredNorms total{0.0f, 0.0f};
-  for (int64_t c = 0; c < chunks; ++c) {
-    total.param += chunk_norms[2 * c];
-    total.update += chunk_norms[2 * c + 1];
-  }
-  const float f = *factor = layerwise_factor(o, k, total);
+  const float f = *factor = combine_chunks(o, k, chunk_norms, chunks);
   update_elements(o, e, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
 }
 
@@ -137,7 +140,7 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
     t.absmax[j][b] = scale;
     const float* map = quantization_map(is_signed);
     for (int64_t i = begin; i < end; ++i)
-      t.codes[j][i] = quantize_value(map, zero_code(is_signed), normalized(values[j][i - begin], scale));
+      t.codes[j][i] = quantize_value(map, is_signed, normalized(values[j][i - begin], scale));
   }
 }
 
@@ -166,24 +169,18 @@ void layerwise_quantized(const OptimOptions& o, const Coefficients& k, const Opt
   const bool lamb = o.algorithm == OptimAlgorithm::LAMB;
 #pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
   for (int64_t c = 0; c < chunks; ++c) {
-    SquaredNorms sum{0.0f, 0.0f};
+    NormTree tree;
+    int64_t offset = 0;  // of the element measured next, in the chunk (blocks and elements go in order)
     auto measure = [&](float g, float& p, float* s) {
       const SquaredNorms n = layerwise_measure(o, k, g, p, s);
-      sum.param += n.param;
-      sum.update += n.update;
+      tree.add(norm_slot_of_element(offset++), n.param, n.update);
       return !skipped(o, g);
     };
     for (int64_t b = c * blocks_per_chunk; b < std::min(blocks, (c + 1) * blocks_per_chunk); ++b)
       step_quantized_block<T, States, false, false>(o, t, block_size, b, measure);
-    chunk_norms[2 * c] = sum.param;
-    chunk_norms[2 * c + 1] = sum.update;
+    tree.total(chunk_norms[2 * c], chunk_norms[2 * c + 1]);
   }
-  SquaredNorms total{0.0f, 0.0f};
-  for (int64_t c = 0; c < chunks; ++c) {
-    total.param += chunk_norms[2 * c];
-    total.update += chunk_norms[2 * c + 1];
-  }
-  const float f = *factor = layerwise_factor(o, k, total);
+  const float f = *factor = combine_chunks(o, k, chunk_norms, chunks);
   auto apply = [&](float g, float& p, float* s) {
     if (skipped(o, g)) return false;
     if (lamb) (void)layerwise_measure(o, k, g, p, s);  // the new moments, as pass 1 formed them
@@ -244,7 +241,7 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
     float scale = 0.0f;
     for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
     absmax[b] = scale;
-    for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, zero_code(is_signed), normalized(x[i], scale));
+    for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], scale));
   }
 }
 

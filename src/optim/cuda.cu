@@ -32,6 +32,7 @@ constexpr int kThreads = 256;
 constexpr int kVec = 4;
 constexpr int kIterations = static_cast<int>(kChunkElements / (kThreads * kVec));
 static_assert(kIterations * kThreads * kVec == kChunkElements, "a block covers one chunk exactly");
+static_assert(kThreads == kNormThreads && kVec == kNormVector, "the norm order of layout.h is this kernel's");
 constexpr int kMaxTensors = 32;
 
 struct TensorTable {
@@ -200,18 +201,29 @@ __device__ const QuantizationMap* load_maps_to_shared() {
   return maps;
 }
 
-// max over the `group` consecutive threads (a power of two from 8 to 256) that share a quantisation block,
-// NaN if any is NaN (absmax_step's rule). Every thread of the block calls it; all get their group's result.
-__device__ float group_max(float v, int group, float (&exchange)[kThreads / 32]) {
-  for (int offset = min(group, 32) / 2; offset > 0; offset /= 2) v = absmax_step(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if (group <= 32) return v;
+// Per value k, the max over the `group` consecutive threads (a power of two from 8 to 256) that share a
+// quantisation block, NaN if any is NaN (absmax_step's rule); all N values in one exchange, so a group
+// wider than a warp meets at two barriers per pass whatever N is. Every thread of the block calls it;
+// all get their group's results. Values must be >= 0 or NaN.
+template <int N>
+__device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThreads / 32]) {
+  for (int offset = min(group, 32) / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = absmax_step(v[k], __shfl_xor_sync(0xffffffffu, v[k], offset));
+  }
+  if (group <= 32) return;
   const int warp = threadIdx.x / 32, warps = group / 32, first = warp / warps * warps;
-  if (threadIdx.x % 32 == 0) exchange[warp] = v;
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) exchange[k][warp] = v[k];
+  }
   __syncthreads();
-  v = exchange[first];
-  for (int w = first + 1; w < first + warps; ++w) v = absmax_step(v, exchange[w]);
-  __syncthreads();  // exchange[] is reused by the next call
-  return v;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    v[k] = exchange[k][first];
+    for (int w = first + 1; w < first + warps; ++w) v[k] = absmax_step(v[k], exchange[k][w]);
+  }
+  __syncthreads();  // exchange[] is reused by the next pass
 }
 
 // The 8-bit counterpart of for_each_element: each thread owns 4 consecutive elements per 1024-element
@@ -223,7 +235,7 @@ __device__ float group_max(float v, int group, float (&exchange)[kThreads / 32])
 template <class T, int States, bool WritesParam, bool WritesStates, class Body>
 __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTable& table, const BlockWork& w,
                                            int block_size, const QuantizationMap* maps, Body body) {
-  __shared__ float exchange[kThreads / 32];
+  __shared__ float exchange[States + 1][kThreads / 32];
   T* param = static_cast<T*>(table.param[w.tensor]);
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
   const bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
@@ -291,26 +303,33 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
         for (int e = 0; e < kVec; ++e) if (updated[e]) param[base + e] = ElementTraits<T>::store(p[e]);
       }
     }
-    if (!WritesStates || States == 0) continue;
-    const bool block_updated = group_max(any ? 1.0f : 0.0f, group, exchange) > 0.0f;  // uniform in the group
+    if constexpr (WritesStates && States > 0) {
+      // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax.
+      float reduced[States + 1];
+      reduced[0] = any ? 1.0f : 0.0f;
 #pragma unroll
-    for (int j = 0; j < States; ++j) {
-      float mine = 0.0f;
-      for (int e = 0; e < kVec; ++e) if (valid[e]) mine = absmax_step(mine, s[e][j]);
-      const float new_scale = group_max(mine, group, exchange);
-      if (!block_updated || base >= w.end) continue;
-      const bool is_signed = state_is_signed(o, j);
-      const float* map = maps[is_signed ? 1 : 0].value;
-      uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
-      uint8_t c[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) c[e] = quantize_value(map, zero_code(is_signed), normalized(s[e][j], new_scale));
-      if (full && wide_codes) {
-        *reinterpret_cast<uchar4*>(codes + base) = make_uchar4(c[0], c[1], c[2], c[3]);
-      } else {
-        for (int e = 0; e < kVec; ++e) if (valid[e]) codes[base + e] = c[e];
+      for (int j = 0; j < States; ++j) {
+        reduced[1 + j] = 0.0f;
+        for (int e = 0; e < kVec; ++e) if (valid[e]) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
       }
-      if (base % block_size == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+      group_max(reduced, group, exchange);
+      if (reduced[0] == 0.0f || base >= w.end) continue;  // all skipped: codes and absmax stay as they are
+#pragma unroll
+      for (int j = 0; j < States; ++j) {
+        const float new_scale = reduced[1 + j];
+        const bool is_signed = state_is_signed(o, j);
+        const float* map = maps[is_signed ? 1 : 0].value;
+        uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
+        uint8_t c[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) c[e] = quantize_value(map, is_signed, normalized(s[e][j], new_scale));
+        if (full && wide_codes) {
+          *reinterpret_cast<uchar4*>(codes + base) = make_uchar4(c[0], c[1], c[2], c[3]);
+        } else {
+          for (int e = 0; e < kVec; ++e) if (valid[e]) codes[base + e] = c[e];
+        }
+        if (base % block_size == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+      }
     }
   }
 }
@@ -561,7 +580,7 @@ __global__ void quantize_kernel(const float* x, int64_t numel, int block_size, b
   for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
   absmax[b] = scale;
   const float* map = kDeviceMaps[is_signed ? 1 : 0].value;
-  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, zero_code(is_signed), normalized(x[i], scale));
+  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], scale));
 }
 
 __global__ void dequantize_kernel(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
