@@ -118,8 +118,14 @@ GS_HD uint8_t quantize_value(const float* map, bool is_signed, float x) {
   return static_cast<uint8_t>(lo - 1 >= zero_code(is_signed) ? lo - 1 : lo);  // tie: toward zero
 }
 
-// The block's scale: NaN if any value is NaN, else the largest |value|.
+// States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
+// its block as 0 * inf = NaN). NaN stays NaN.
+inline constexpr float kLargestFloat = 3.40282347e+38f;
+GS_HD float finite_value(float v) { return v > kLargestFloat ? kLargestFloat : (v < -kLargestFloat ? -kLargestFloat : v); }
+
+// The block's scale: NaN if any value is NaN, else the largest |value| (at most FLT_MAX).
 GS_HD float absmax_step(float running, float value) {
+  value = finite_value(value);
   const float a = value < 0.0f ? -value : value;
   if (a != a) return a;
   if (running != running) return running;
@@ -127,7 +133,7 @@ GS_HD float absmax_step(float running, float value) {
 }
 
 // value / absmax, the quantiser's input; 0 for an all-zero block.
-GS_HD float normalized(float value, float absmax) { return absmax > 0.0f ? value / absmax : 0.0f; }
+GS_HD float normalized(float value, float absmax) { return absmax > 0.0f ? finite_value(value) / absmax : 0.0f; }
 
 GS_HD float dequantize_value(const float* map, uint8_t code, float absmax) { return map[code] * absmax; }
 

@@ -190,8 +190,8 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
 
 // ---- 8-bit states ----
 
-// The two maps, copied from constant memory into the block's shared memory (the binary search of
-// quantize_value reads them at data-dependent positions). Called by every thread of the block.
+// The two maps, copied from constant memory into the block's shared memory (quantize_value and
+// dequantize_value read them at data-dependent positions). Called by every thread of the block.
 __constant__ QuantizationMap kDeviceMaps[2] = {make_quantization_map(false), make_quantization_map(true)};
 
 __device__ const QuantizationMap* load_maps_to_shared() {

@@ -847,3 +847,78 @@ def test_invalid_8bit_options(case, bad):
     p = torch.nn.Parameter(torch.zeros(10))
     with pytest.raises(ValueError):
         make_opt(case, [p], **bad)
+
+
+# ---- robustness (found in review) ----
+
+
+def test_quantize_keeps_infinity_finite():
+    """±inf is stored as ±FLT_MAX: an inf absmax would decode every other element of its block as 0 * inf."""
+    x = torch.zeros(512)
+    x[3], x[300] = float("inf"), float("-inf")
+    x[4] = 0.5
+    codes, absmax = ops.quantize_blockwise(x, 256, True)
+    assert torch.isfinite(absmax).all()
+    y = ops.dequantize_blockwise(codes, absmax, 256, True)
+    assert not torch.isnan(y).any()
+    assert y[3] == torch.finfo(torch.float32).max and y[300] == -torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("case", ["Adam", "AdamW", "RMSprop", "Adagrad"])
+def test_gradient_spike_does_not_turn_a_block_into_nan(case):
+    """A gradient whose square overflows makes the second moment inf; with fp32 states that element's update
+    is ~0 and nothing turns NaN. 8-bit states must not spread NaN to the other elements of the block."""
+    p32, p8 = torch.nn.Parameter(torch.ones(4096)), torch.nn.Parameter(torch.ones(4096))
+    opt32, opt8 = make_opt(case, [p32]), make_opt(case, [p8], state_bits=8, block_size=256)
+    for step in range(2):
+        g = torch.full((4096,), 0.1)
+        if step == 0:
+            g[7] = 1e20
+        p32.grad, p8.grad = g.clone(), g.clone()
+        opt32.step()
+        opt8.step()
+    assert int(torch.isnan(p32.detach()).sum()) == 0
+    assert int(torch.isnan(p8.detach()).sum()) == 0, f"{case}: NaN spread through the 8-bit block"
+
+
+def test_invalid_block_size_set_between_steps_is_rejected_and_changes_nothing():
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = go.AdamW([p], lr=1e-3, state_bits=8, block_size=128)
+    p.grad = torch.randn(5000)
+    opt.step()
+    before = {k: v.clone() for k, v in all_state_tensors(opt, p).items()}
+    param_before = p.detach().clone()
+    opt.param_groups[0]["block_size"] = 100
+    with pytest.raises(ValueError, match="block_size"):
+        opt.step()
+    assert torch.equal(p.detach(), param_before)
+    for k, v in all_state_tensors(opt, p).items():
+        assert torch.equal(v, before[k]), k
+    opt.param_groups[0]["state_bits"] = 16
+    with pytest.raises(ValueError, match="state_bits"):
+        opt.step()
+
+
+def test_8bit_codes_without_their_scales_are_rejected_on_load():
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt8 = go.Adam([p], state_bits=8)
+    p.grad = torch.randn(5000)
+    opt8.step()
+    sd = opt8.state_dict()
+    del sd["state"][0]["exp_avg_absmax"]
+    with pytest.raises(ValueError, match="exp_avg_absmax"):
+        go.Adam([torch.nn.Parameter(p.detach().clone())]).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_changed_options_with_the_same_number_of_states_convert(state_bits):
+    """RMSprop centered -> momentum keeps the state count but changes the names: the next step builds the
+    missing state instead of failing with a KeyError."""
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = go.RMSprop([p], lr=1e-3, centered=True, state_bits=state_bits)
+    p.grad = torch.randn(5000)
+    opt.step()
+    opt.param_groups[0]["centered"] = False
+    opt.param_groups[0]["momentum"] = 0.9
+    opt.step()
+    assert "momentum_buffer" in opt.state[p]

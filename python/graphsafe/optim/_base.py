@@ -53,12 +53,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         block_size: int = 256,
         min_8bit_size: int = 4096,
     ) -> None:
-        if state_bits not in (32, 8) or isinstance(state_bits, bool):
-            raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
-        if not (isinstance(block_size, int) and 32 <= block_size <= 1024 and block_size & (block_size - 1) == 0):
-            raise ValueError(f"block_size must be a power of two from 32 to 1024, got {block_size!r}")
-        if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+        _check_storage_options(state_bits, block_size, min_8bit_size)
         lr = defaults["lr"]
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("lr must be a number or a one-element tensor")
@@ -146,6 +141,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
         block_size = group["block_size"]
         options = self._core_options(group)
+        updates: dict[str, dict[str, Tensor]] = {}
         for j, name in enumerate(names):
             signed = _C.optim_state_is_signed(self.algorithm, options, j)
             if eight and _holds_8bit(state, name, p, block_size, signed):
@@ -153,14 +149,17 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             value = _state_as_fp32(state, name, p, type(self).__name__)
             if value is None:
                 value = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
-            for key in (f"{name}_absmax", f"{name}_qmap"):
-                state.pop(key, None)
             if eight:
                 codes, absmax = ops.quantize_blockwise(value, block_size, signed)
-                state[name], state[f"{name}_absmax"] = codes, absmax
-                state[f"{name}_qmap"] = ops.quantization_map(signed, p.device)
+                updates[name] = {name: codes, f"{name}_absmax": absmax,
+                                 f"{name}_qmap": ops.quantization_map(signed, p.device)}
             else:
-                state[name] = value
+                updates[name] = {name: value}
+        # Applied only once every state converted: a failure above leaves the state as it was.
+        for name, entries in updates.items():
+            for key in (f"{name}_absmax", f"{name}_qmap"):
+                state.pop(key, None)
+            state.update(entries)
         if eight:
             state["block_size"] = block_size
         else:
@@ -204,6 +203,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         if seen is None or seen[0] is not group or seen[1] != options:
             _C.optim_validate(self.algorithm, options)
             validated[id(group)] = (group, options)
+        _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
         names = self._state_names(group)
         # One pass over the parameters gathers what the core needs. This runs for every parameter on every
         # step, so the common case costs one combined test per gradient.
@@ -228,13 +228,17 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             state = all_states[p]
             if len(state) != state_len[bits] or (eight and state.get("block_size") != group["block_size"]):
                 state = self._state_of(group, p, names, eight)
+            try:
+                addresses = _state_addresses(state, names, eight)
+            except KeyError:  # other state names with the same count (options changed): convert
+                addresses = _state_addresses(self._state_of(group, p, names, eight), names, eight)
             param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels = calls[bits]
             param_ptrs.append(p.data_ptr())
             grad_ptrs.append(g.data_ptr())
-            state_ptrs.append([state[n].data_ptr() for n in names])
+            state_ptrs.append(addresses[0])
             if eight:
-                absmax_ptrs.append([state[f"{n}_absmax"].data_ptr() for n in names])
-            step_ptrs.append(state["step"].data_ptr())
+                absmax_ptrs.append(addresses[1])
+            step_ptrs.append(addresses[2])
             numels.append(p.numel())
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
@@ -333,6 +337,25 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                     self._state_of(group, p, names, self._is_8bit(group, p))
 
 
+def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any) -> None:
+    """The group options that say how states are stored (checked at construction and at every step, since a
+    param group can be edited in between)."""
+    if state_bits not in (32, 8) or isinstance(state_bits, bool):
+        raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
+    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and 32 <= block_size <= 1024
+            and block_size & (block_size - 1) == 0):
+        raise ValueError(f"block_size must be a power of two from 32 to 1024, got {block_size!r}")
+    if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+
+
+def _state_addresses(state: dict[str, Any], names: list[str], eight: bool) -> tuple[list[int], list[int], int]:
+    """The raw addresses the core writes: the named states (or their codes), their absmax (8-bit), step."""
+    states = [state[n].data_ptr() for n in names]
+    absmax = [state[f"{n}_absmax"].data_ptr() for n in names] if eight else []
+    return states, absmax, state["step"].data_ptr()
+
+
 def _holds_8bit(state: dict[str, Any], name: str, p: Tensor, block_size: int, signed: bool) -> bool:
     """Whether state already holds `name` as 8-bit codes the kernels can use as they are: this block size,
     graphsafe's map, on p's device, the right shapes (anything else is converted)."""
@@ -356,7 +379,9 @@ def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, owner: str) -> T
     if not isinstance(value, Tensor):
         raise ValueError(f"{owner}.load_state_dict: state '{name}' is not a tensor")
     absmax, qmap = state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
-    if value.dtype == torch.uint8 and isinstance(absmax, Tensor) and isinstance(qmap, Tensor):
+    if value.dtype == torch.uint8:
+        if not (isinstance(absmax, Tensor) and isinstance(qmap, Tensor)):
+            raise ValueError(f"{owner}: 8-bit state '{name}' has codes but not its '{name}_absmax' and '{name}_qmap'")
         block_size = state.get("block_size")
         if not isinstance(block_size, int) or block_size <= 0 or qmap.numel() != 256:
             raise ValueError(f"{owner}.load_state_dict: 8-bit state '{name}' needs its block_size and a 256-value map")
