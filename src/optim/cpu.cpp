@@ -32,10 +32,6 @@ struct ElementView {
   void store_states(int64_t i, const float* s) const {
     for (int j = 0; j < States; ++j) t.state[j][i] = s[j];
   }
-  void store(int64_t i, float p, const float* s) const {
-    static_cast<T*>(t.param)[i] = ElementTraits<T>::store(p);
-    store_states(i, s);
-  }
 };
 
 // Applies rule(g, p, s) to every element whose gradient is not skipped. The rule runs on every element and
@@ -58,60 +54,13 @@ void update_elements(const OptimOptions& o, const ElementView<T, States>& e, Rul
   }
 }
 
-// The algorithm is chosen once per tensor, not per element.
-template <class T, int States>
-void elementwise(const OptimOptions& o, const Coefficients& k, const ElementView<T, States>& e) {
-  switch (o.algorithm) {
-    case OptimAlgorithm::Adam: return update_elements(o, e, [&](float g, float& p, float* s) { adam(o, k, g, p, s, false); });
-    case OptimAlgorithm::AdamW: return update_elements(o, e, [&](float g, float& p, float* s) { adam(o, k, g, p, s, true); });
-    case OptimAlgorithm::SGD: return update_elements(o, e, [&](float g, float& p, float* s) { sgd(o, k, g, p, s); });
-    case OptimAlgorithm::RMSprop: return update_elements(o, e, [&](float g, float& p, float* s) { rmsprop(o, k, g, p, s); });
-    case OptimAlgorithm::Adagrad: return update_elements(o, e, [&](float g, float& p, float* s) { adagrad(o, k, g, p, s); });
-    case OptimAlgorithm::Lion: return update_elements(o, e, [&](float g, float& p, float* s) { lion(o, k, g, p, s); });
-    case OptimAlgorithm::AdEMAMix: return update_elements(o, e, [&](float g, float& p, float* s) { ademamix(o, k, g, p, s); });
-    default: return;  // LAMB and LARS: layerwise()
-  }
-}
-
-// A tensor's chunk sums combined in the shared order (layout.h), then the trust factor.
-inline float combine_chunks(const OptimOptions& o, const Coefficients& k, const float* chunk_norms, int64_t chunks) {
-  NormTree tree;
-  for (int64_t c = 0; c < chunks; ++c)
-    tree.add(static_cast<int>(c % kNormThreads), chunk_norms[2 * c], chunk_norms[2 * c + 1]);
-  SquaredNorms total{0.0f, 0.0f};
-  tree.total(total.param, total.update);
-  return layerwise_factor(o, k, total);
-}
-
-template <class T, int States>
-void layerwise(const OptimOptions& o, const Coefficients& k, const ElementView<T, States>& e, float* chunk_norms,
-               float* factor) {
-  const int64_t chunks = chunk_count(e.t.numel);
-#pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
-  for (int64_t c = 0; c < chunks; ++c) {
-    NormTree tree;
-    const int64_t begin = c * kChunkElements, end = std::min(e.t.numel, begin + kChunkElements);
-    for (int64_t i = begin; i < end; ++i) {
-      float s[4] = {};
-      e.load_states(i, s);
-      const SquaredNorms n = layerwise_measure(o, k, e.grad(i), e.param(i), s);
-      e.store_states(i, s);  // LAMB's moments
-      tree.add(norm_slot_of_element(i - begin), n.param, n.update);
-    }
-    tree.total(chunk_norms[2 * c], chunk_norms[2 * c + 1]);
-  }
-  const float f = *factor = combine_chunks(o, k, chunk_norms, chunks);
-  update_elements(o, e, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
-}
-
 // ---- 8-bit states: one quantisation block at a time ----
 
-// Runs rule(g, p, s) on the elements [begin, end) of quantisation block `b` with the block's states
-// dequantised; rule returns false for a skipped element (which must leave p and s as they were). Writes the
-// parameter of every updated element when WritesParam, and requantises the block's states (new absmax, new
-// codes) when WritesStates and at least one element was updated: an all-skipped block keeps its codes and
-// absmax bit-identical.
-template <class T, int States, bool WritesParam, bool WritesStates, class Rule>
+// Runs rule(g, p, s) on the elements of quantisation block `b` with the block's states dequantised; rule
+// returns false for a skipped element (which must leave p and s as they were). With Writes, the parameter
+// of every updated element is stored and, if any element was updated, the block's states are requantised
+// (new absmax, new codes): an all-skipped block keeps its codes and absmax bit-identical.
+template <class T, int States, bool Writes, class Rule>
 void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block_size, int64_t b, Rule rule) {
   const int64_t begin = b * block_size, end = std::min(t.numel, begin + block_size);
   float values[4][1024];
@@ -127,12 +76,12 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
     float s[4] = {};
     for (int j = 0; j < States; ++j) s[j] = values[j][i - begin];
     float p = ElementTraits<T>::load(param[i]);
-    if (!rule(ElementTraits<T>::load(grad[i]), p, s)) continue;
+    if (!rule(ElementTraits<T>::load(grad[i]), p, s) || !Writes) continue;
     any_updated = true;
-    if (WritesParam) param[i] = ElementTraits<T>::store(p);
+    param[i] = ElementTraits<T>::store(p);
     for (int j = 0; j < States; ++j) values[j][i - begin] = s[j];
   }
-  if (!WritesStates || !any_updated) return;
+  if (!Writes || !any_updated) return;
   for (int j = 0; j < States; ++j) {
     const bool is_signed = state_is_signed(o, j);
     float scale = 0.0f;
@@ -144,51 +93,86 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
   }
 }
 
-template <class T, int States>
-void elementwise_quantized(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, int block_size) {
-  const int64_t blocks = block_count(t.numel, block_size);
+// ---- the two element loops, for fp32 and 8-bit states ----
+
+// Updates every element of the tensor whose gradient is not skipped with rule(g, p, s).
+template <class T, int States, class Rule>
+void update_tensor(const OptimOptions& o, const OptimTensor& t, const OptimStepArgs& a, Rule rule) {
+  if (a.state_bits == 8) {
+    const int64_t blocks = block_count(t.numel, a.block_size);
 #pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
-  for (int64_t b = 0; b < blocks; ++b)
-    step_quantized_block<T, States, true, true>(o, t, block_size, b, [&](float g, float& p, float* s) {
-      if (skipped(o, g)) return false;
-      elementwise_step(o, k, g, p, s);
-      return true;
-    });
+    for (int64_t b = 0; b < blocks; ++b)
+      step_quantized_block<T, States, true>(o, t, a.block_size, b, [&](float g, float& p, float* s) {
+        if (skipped(o, g)) return false;
+        rule(g, p, s);
+        return true;
+      });
+    return;
+  }
+  update_elements(o, ElementView<T, States>{t}, rule);
 }
 
-// LAMB/LARS with 8-bit states: the same chunks and chunk order as with fp32 states (a chunk of 4096 holds
-// whole quantisation blocks). Pass 1 writes nothing; pass 2 recomputes LAMB's new moments from the same
-// stored ones (the same fp32 values pass 1 measured), updates with them, then requantises. Reading
-// requantised moments back instead would update with values pass 1 never measured: an element whose
-// second moment rounds to 0 in its block would take a step of m / eps.
+// Calls visit(offset, g, p, s) for the elements of [begin, end) (a chunk: whole quantisation blocks) in
+// increasing order, with their states; writes nothing.
+template <class T, int States, class Visit>
+void visit_chunk(const OptimOptions& o, const OptimTensor& t, const OptimStepArgs& a, int64_t begin, int64_t end,
+                 Visit visit) {
+  if (a.state_bits == 8) {
+    int64_t offset = 0;
+    for (int64_t b = begin / a.block_size; b * a.block_size < end; ++b)
+      step_quantized_block<T, States, false>(o, t, a.block_size, b, [&](float g, float& p, float* s) {
+        visit(offset++, g, p, s);
+        return false;
+      });
+    return;
+  }
+  const ElementView<T, States> e{t};
+  for (int64_t i = begin; i < end; ++i) {
+    float s[4] = {};
+    e.load_states(i, s);
+    visit(i - begin, e.grad(i), e.param(i), s);
+  }
+}
+
+// The algorithm is chosen once per tensor, not per element.
 template <class T, int States>
-void layerwise_quantized(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, int block_size,
-                         float* chunk_norms, float* factor) {
-  const int64_t chunks = chunk_count(t.numel), blocks_per_chunk = kChunkElements / block_size;
-  const int64_t blocks = block_count(t.numel, block_size);
-  const bool lamb = o.algorithm == OptimAlgorithm::LAMB;
+void elementwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a) {
+  auto with = [&](auto rule) { update_tensor<T, States>(o, t, a, rule); };
+  switch (o.algorithm) {
+    case OptimAlgorithm::Adam: return with([&](float g, float& p, float* s) { adam(o, k, g, p, s, false); });
+    case OptimAlgorithm::AdamW: return with([&](float g, float& p, float* s) { adam(o, k, g, p, s, true); });
+    case OptimAlgorithm::SGD: return with([&](float g, float& p, float* s) { sgd(o, k, g, p, s); });
+    case OptimAlgorithm::RMSprop: return with([&](float g, float& p, float* s) { rmsprop(o, k, g, p, s); });
+    case OptimAlgorithm::Adagrad: return with([&](float g, float& p, float* s) { adagrad(o, k, g, p, s); });
+    case OptimAlgorithm::Lion: return with([&](float g, float& p, float* s) { lion(o, k, g, p, s); });
+    case OptimAlgorithm::AdEMAMix: return with([&](float g, float& p, float* s) { ademamix(o, k, g, p, s); });
+    default: return;  // LAMB and LARS: layerwise()
+  }
+}
+
+// LAMB/LARS: pass 1 measures each chunk's squared norms in the shared order (layout.h) and writes nothing;
+// the chunk sums are combined in that order; pass 2 updates.
+template <class T, int States>
+void layerwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
+               float* chunk_norms, float* factor) {
+  const int64_t chunks = chunk_count(t.numel);
 #pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
   for (int64_t c = 0; c < chunks; ++c) {
     NormTree tree;
-    int64_t offset = 0;  // of the element measured next, in the chunk (blocks and elements go in order)
-    auto measure = [&](float g, float& p, float* s) {
+    const int64_t begin = c * kChunkElements, end = std::min(t.numel, begin + kChunkElements);
+    visit_chunk<T, States>(o, t, a, begin, end, [&](int64_t offset, float g, float p, const float* s) {
       const SquaredNorms n = layerwise_measure(o, k, g, p, s);
-      tree.add(norm_slot_of_element(offset++), n.param, n.update);
-      return !skipped(o, g);
-    };
-    for (int64_t b = c * blocks_per_chunk; b < std::min(blocks, (c + 1) * blocks_per_chunk); ++b)
-      step_quantized_block<T, States, false, false>(o, t, block_size, b, measure);
+      tree.add(norm_slot_of_element(offset), n.param, n.update);
+    });
     tree.total(chunk_norms[2 * c], chunk_norms[2 * c + 1]);
   }
-  const float f = *factor = combine_chunks(o, k, chunk_norms, chunks);
-  auto apply = [&](float g, float& p, float* s) {
-    if (skipped(o, g)) return false;
-    if (lamb) (void)layerwise_measure(o, k, g, p, s);  // the new moments, as pass 1 formed them
-    layerwise_apply(o, k, f, g, p, s);
-    return true;
-  };
-#pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
-  for (int64_t b = 0; b < blocks; ++b) step_quantized_block<T, States, true, true>(o, t, block_size, b, apply);
+  NormTree tree;
+  for (int64_t c = 0; c < chunks; ++c)
+    tree.add(static_cast<int>(c % kNormThreads), chunk_norms[2 * c], chunk_norms[2 * c + 1]);
+  SquaredNorms total{0.0f, 0.0f};
+  tree.total(total.param, total.update);
+  const float f = *factor = layerwise_factor(o, k, total);
+  update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
 }
 
 template <class T, int States>
@@ -198,19 +182,12 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   int64_t chunk_base = 0;
   for (int t = 0; t < count; ++t) {
     if (a.increment_steps) *tensors[t].step += 1.0f;
-    const ElementView<T, States> e{tensors[t]};
     const Coefficients k = coefficients(o, lr, *tensors[t].step);
-    const bool quantized = a.state_bits == 8;
     if (is_layerwise(o.algorithm)) {
-      float* norms = workspace + 2 * chunk_base;
-      float* factor = workspace + factors_offset + t;
-      if (quantized) layerwise_quantized<T, States>(o, k, tensors[t], a.block_size, norms, factor);
-      else layerwise(o, k, e, norms, factor);
+      layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base, workspace + factors_offset + t);
       chunk_base += chunk_count(tensors[t].numel);
-    } else if (quantized) {
-      elementwise_quantized<T, States>(o, k, tensors[t], a.block_size);
     } else {
-      elementwise(o, k, e);
+      elementwise<T, States>(o, k, tensors[t], a);
     }
   }
 }

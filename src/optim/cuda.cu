@@ -228,11 +228,11 @@ __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThread
 
 // The 8-bit counterpart of for_each_element: each thread owns 4 consecutive elements per 1024-element
 // pass; the block_size / 4 threads of one quantisation block dequantise their states, run body (false:
-// skipped, p and s unchanged), and, when WritesStates and any element of the block was updated, agree on
-// the new absmax and requantise. An all-skipped block keeps codes and absmax bit-identical; the parameter
-// is written for updated elements when WritesParam. Every thread runs every pass (the group reductions
-// need them all), elements past the tensor's end take no part.
-template <class T, int States, bool WritesParam, bool WritesStates, class Body>
+// skipped, p and s unchanged), and, with Writes, store the updated elements' parameters and, when any
+// element of the block was updated, agree on the new absmax and requantise. An all-skipped block keeps
+// codes and absmax bit-identical. Every thread runs every pass (the group reductions need them all);
+// elements past the tensor's end take no part.
+template <class T, int States, bool Writes, class Body>
 __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTable& table, const BlockWork& w,
                                            int block_size, const QuantizationMap* maps, Body body) {
   __shared__ float exchange[States + 1][kThreads / 32];
@@ -294,7 +294,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
         for (int j = 0; j < States; ++j) s[e][j] = st[j];
       }
     }
-    if (WritesParam && any) {
+    if (Writes && any) {
       if (wide && full) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) if (updated[e]) p4.v[e] = ElementTraits<T>::store(p[e]);
@@ -303,7 +303,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
         for (int e = 0; e < kVec; ++e) if (updated[e]) param[base + e] = ElementTraits<T>::store(p[e]);
       }
     }
-    if constexpr (WritesStates && States > 0) {
+    if constexpr (Writes && States > 0) {
       // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax.
       float reduced[States + 1];
       reduced[0] = any ? 1.0f : 0.0f;
@@ -334,6 +334,18 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
   }
 }
 
+// The element loop of the kernels below, for fp32 (Bits 32) or 8-bit (Bits 8) states: body(g, p, s)
+// returns whether it updated the element; with Writes the updates are stored, without, nothing is.
+template <class T, int States, int Bits, bool Writes, class Body>
+__device__ void for_each(const OptimOptions& o, const TensorTable& table, const BlockWork& w, int block_size,
+                         const QuantizationMap* maps, Body body) {
+  if constexpr (Bits == 8) {
+    for_each_quantized_element<T, States, Writes>(o, table, w, block_size, maps, body);
+  } else {
+    for_each_element<T, States>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
+  }
+}
+
 // Bits: 32 (fp32 states) or 8 (blockwise 8-bit states of block_size elements).
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads)
@@ -349,8 +361,7 @@ __global__ void __launch_bounds__(kThreads)
       elementwise_step(o, k, g, p, s);
       return true;
     };
-    if constexpr (Bits == 8) for_each_quantized_element<T, States, true, true>(o, table, w, block_size, maps, body);
-    else for_each_element<T, States>(table, w, body);
+    for_each<T, States, Bits, true>(o, table, w, block_size, maps, body);
   }
 }
 
@@ -371,10 +382,8 @@ __device__ SquaredNorms block_sum(SquaredNorms mine, float (&partial)[2][kThread
   return sum;
 }
 
-// Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads).
-// With fp32 states LAMB stores its new moments now and pass 2 reads them; with 8-bit states pass 1 writes
-// nothing and pass 2 forms the same new moments again from the stored ones (see the CPU backend's
-// layerwise_quantized for why).
+// Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads,
+// layout.h's order); the tensors are not written (rules.h, layerwise_apply, says why).
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const float* lr, TensorTable table,
                                                           int64_t total_blocks, int block_size, float* chunk_norms) {
@@ -382,22 +391,16 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
   __shared__ float partial[2][kThreads];
   const QuantizationMap* maps = nullptr;
   if constexpr (Bits == 8) maps = load_maps_to_shared();
-  const bool lamb = o.algorithm == OptimAlgorithm::LAMB;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
     SquaredNorms mine{0.0f, 0.0f};
-    auto measure = [&](float g, float& p, float* s) {
+    for_each<T, States, Bits, false>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
       const SquaredNorms n = layerwise_measure(o, k, g, p, s);
       mine.param += n.param;
       mine.update += n.update;
-      return !skipped(o, g);
-    };
-    if constexpr (Bits == 8) {
-      for_each_quantized_element<T, States, false, false>(o, table, w, block_size, maps, measure);
-    } else {
-      for_each_element<T, States>(table, w, [&](float g, float& p, float* s) { return measure(g, p, s) && lamb; });
-    }
+      return false;
+    });
     const SquaredNorms sum = block_sum(mine, partial);
     if (threadIdx.x == 0) {
       const int64_t chunk = table.first_chunk[w.tensor] + (block_ - table.first_block[w.tensor]);
@@ -424,8 +427,7 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const 
   if (threadIdx.x == 0) factors[table.factor_index[t]] = layerwise_factor(o, coefficients(o, *lr, *table.step[t]), total);
 }
 
-// Layer-wise pass 2. LAMB uses the new moments (fp32: those pass 1 stored; 8-bit: formed again); LARS
-// updates its momentum.
+// Layer-wise pass 2: LAMB forms and stores its new moments and updates; LARS updates its momentum.
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const float* lr, TensorTable table,
                                                         int64_t total_blocks, int block_size, const float* factors) {
@@ -436,20 +438,11 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const f
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
     const float factor = factors[table.factor_index[w.tensor]];
-    if constexpr (Bits == 8) {
-      for_each_quantized_element<T, States, true, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
-        if (skipped(o, g)) return false;
-        if (o.algorithm == OptimAlgorithm::LAMB) (void)layerwise_measure(o, k, g, p, s);  // pass 1's new moments
-        layerwise_apply(o, k, factor, g, p, s);
-        return true;
-      });
-    } else {
-      for_each_element<T, States>(table, w, [&](float g, float& p, float* s) {
-        if (skipped(o, g)) return false;
-        layerwise_apply(o, k, factor, g, p, s);
-        return true;
-      });
-    }
+    for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
+      if (skipped(o, g)) return false;
+      layerwise_apply(o, k, factor, g, p, s);
+      return true;
+    });
   }
 }
 

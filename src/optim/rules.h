@@ -209,17 +209,21 @@ GS_HD float lamb_direction(const Coefficients& k, float m, float v, float p) {
   return (m / k.bias_correction1) / (sqrt_f(v) / k.bias_correction2_sqrt + k.eps) + k.weight_decay * p;
 }
 
-// Pass 1 for one element: LAMB (You et al. 2019, Algorithm 2) updates the moments and measures the update
-// direction u, which includes the decoupled weight decay; LARS (You et al. 2017) measures the gradient.
-// A skipped element adds only its parameter to the norms.
-GS_HD SquaredNorms layerwise_measure(const OptimOptions& o, const Coefficients& k, float g, float p, float* s) {
+// LAMB's new moments from the stored ones (g already sign-adjusted for maximize).
+GS_HD void lamb_moments(const Coefficients& k, float g, const float* s, float& m, float& v) {
+  m = k.beta1 * s[0] + k.one_minus_beta1 * g;
+  v = k.beta2 * s[1] + k.one_minus_beta2 * (g * g);
+}
+
+// Pass 1 for one element; it writes nothing. LAMB (You et al. 2019, Algorithm 2) measures the update
+// direction u formed from the new moments, including the decoupled weight decay; LARS (You et al. 2017)
+// measures the gradient. A skipped element adds only its parameter to the norms.
+GS_HD SquaredNorms layerwise_measure(const OptimOptions& o, const Coefficients& k, float g, float p, const float* s) {
   if (skipped(o, g)) return {p * p, 0.0f};
   if (o.maximize) g = -g;
   if (o.algorithm == OptimAlgorithm::LARS) return {p * p, g * g};
-  const float m = k.beta1 * s[0] + k.one_minus_beta1 * g;
-  const float v = k.beta2 * s[1] + k.one_minus_beta2 * (g * g);
-  s[0] = m;
-  s[1] = v;
+  float m, v;
+  lamb_moments(k, g, s, m, v);
   const float u = lamb_direction(k, m, v, p);
   return {p * p, u * u};
 }
@@ -233,15 +237,22 @@ GS_HD float layerwise_factor(const OptimOptions& o, const Coefficients& k, Squar
   return k.trust_coefficient * param_norm / (other_norm + k.weight_decay * param_norm + k.eps);
 }
 
-// Pass 2 for one element. LAMB: p -= lr * ratio * u (u from the moments pass 1 stored).
+// Pass 2 for one element; skipped elements are left untouched. LAMB forms the same new moments pass 1
+// measured (from the same stored ones), stores them and takes p -= lr * ratio * u; so pass 1 writes
+// nothing, and with 8-bit states pass 2 updates with the fp32 moments pass 1 measured, not with requantised
+// ones (those could round a second moment to 0 and take a step of m / eps).
 // LARS: v = momentum * v + lr * local_lr * (g + wd * p); p -= v.
 GS_HD void layerwise_apply(const OptimOptions& o, const Coefficients& k, float factor, float g, float& p, float* s) {
   if (skipped(o, g)) return;
+  if (o.maximize) g = -g;
   if (o.algorithm == OptimAlgorithm::LAMB) {
-    p = p - k.lr * factor * lamb_direction(k, s[0], s[1], p);
+    float m, v;
+    lamb_moments(k, g, s, m, v);
+    s[0] = m;
+    s[1] = v;
+    p = p - k.lr * factor * lamb_direction(k, m, v, p);
     return;
   }
-  if (o.maximize) g = -g;
   const float v = k.momentum * s[0] + k.lr * factor * (g + k.weight_decay * p);
   s[0] = v;
   p = p - v;
