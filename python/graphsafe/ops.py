@@ -190,8 +190,10 @@ embedding.register_autograd(_embedding_backward_rule, setup_context=_embedding_s
 # ---- 8-bit blockwise quantisation (docs/optim.md "8-bit states") ----
 
 
-def _check_block_size(block_size: int) -> None:
-    if not (isinstance(block_size, int) and 32 <= block_size <= 1024 and block_size & (block_size - 1) == 0):
+def check_block_size(block_size: int) -> None:
+    """ValueError unless block_size is a power of two from 32 to 1024 (what both backends support)."""
+    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and 32 <= block_size <= 1024
+            and block_size & (block_size - 1) == 0):
         raise ValueError(f"block_size must be a power of two from 32 to 1024, got {block_size!r}")
 
 
@@ -205,7 +207,7 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
     x's shape and absmax fp32 with one scale per block of block_size consecutive elements (row-major). A
     value is map[code] * absmax; codes round to the nearest map value, ties toward zero. signed=False is for
     non-negative values (negative ones clamp to 0)."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise TypeError(f"quantize_blockwise: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
     if x.device.type not in ("cpu", "cuda"):
@@ -222,7 +224,7 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
 
 def dequantize_blockwise(codes: Tensor, absmax: Tensor, block_size: int = 256, signed: bool = True) -> Tensor:
     """The fp32 values of quantize_blockwise's (codes, absmax), in codes' shape."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     if not isinstance(codes, Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"dequantize_blockwise: codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
     if not isinstance(absmax, Tensor) or absmax.dtype != torch.float32:

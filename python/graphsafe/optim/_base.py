@@ -342,9 +342,7 @@ def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any)
     param group can be edited in between)."""
     if state_bits not in (32, 8) or isinstance(state_bits, bool):
         raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
-    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and 32 <= block_size <= 1024
-            and block_size & (block_size - 1) == 0):
-        raise ValueError(f"block_size must be a power of two from 32 to 1024, got {block_size!r}")
+    ops.check_block_size(block_size)
     if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 0:
         raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
 
