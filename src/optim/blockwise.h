@@ -19,9 +19,24 @@
 
 namespace graphsafe::optim_detail {
 
+// |x| in [2^-23, 1) falls in one of kBuckets buckets: its float's exponent and top 7 mantissa bits. A
+// bucket is narrower than the smallest gap between two neighbouring decision points of either map (the
+// table check below proves it), so within one bucket the nearest-value code takes at most two values.
+inline constexpr int kBucketMantissaBits = 7;
+inline constexpr int kSmallestBucketExponent = -23;  // |x| below 2^-23 always gets the code of 0
+inline constexpr int kBuckets = -kSmallestBucketExponent << kBucketMantissaBits;
+inline constexpr uint32_t kFirstBucketBits = static_cast<uint32_t>(127 + kSmallestBucketExponent) << 23;
+inline constexpr float kSmallestBucketValue = 1.0f / 8388608.0f;  // 2^-23
+
 struct QuantizationMap {
-  float value[256];  // strictly increasing
+  float value[256];                  // strictly increasing
+  uint8_t lower_code[2][kBuckets];   // per bucket of |x|: [0] for x > 0, [1] for x < 0, the smaller code there
 };
+
+// The bucket of a magnitude in [2^-23, 1).
+GS_HD int bucket_of(float magnitude) {
+  return static_cast<int>((float_bits(magnitude) - kFirstBucketBits) >> (23 - kBucketMantissaBits));
+}
 
 constexpr int kLevelsPerDecade(bool is_signed, int decade) { return 1 << ((is_signed ? 6 : 7) - decade); }
 
@@ -32,6 +47,54 @@ constexpr int decade_levels(bool is_signed, int decade, float* out) {
   const int n = kLevelsPerDecade(is_signed, decade);
   for (int i = 0; i < n; ++i) out[i] = static_cast<float>(scale * (0.1 + 0.9 * (i + 0.5) / n));
   return n;
+}
+
+inline constexpr int kSignedZeroCode = 127;  // -1 and 126 negative levels come first
+inline constexpr int kUnsignedZeroCode = 0;
+
+GS_HD constexpr int zero_code(bool is_signed) { return is_signed ? kSignedZeroCode : kUnsignedZeroCode; }
+
+// The definition of the code of x = value / absmax (|x| <= 1 up to rounding) in `map`: the nearest map
+// value, the one nearer zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code
+// of 0 (the block's absmax is NaN then, so the value decodes to NaN anyway). A binary search; the fast
+// quantize_value below gives the same code for every float (checked at compile time per bucket, and over
+// millions of floats in tests/cpp/test_optim.cpp).
+constexpr uint8_t reference_code(const float* map, bool is_signed, float x) {
+  if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
+  int lo = 0, count = 256;  // lo becomes the first code whose value is >= x (256: none)
+  while (count > 0) {
+    const int half = count / 2;
+    if (map[lo + half] < x) {
+      lo += half + 1;
+      count -= half + 1;
+    } else {
+      count = half;
+    }
+  }
+  if (lo == 0) return 0;
+  if (lo == 256) return 255;
+  const float above = map[lo] - x, below = x - map[lo - 1];
+  if (above < below) return static_cast<uint8_t>(lo);
+  if (below < above) return static_cast<uint8_t>(lo - 1);
+  return static_cast<uint8_t>(lo - 1 >= zero_code(is_signed) ? lo - 1 : lo);  // tie: toward zero
+}
+
+// 2^e for the bucket bounds, exactly (constexpr: no ldexp).
+constexpr double power_of_two(int e) {
+  double r = 1.0;
+  for (; e > 0; --e) r *= 2.0;
+  for (; e < 0; ++e) r /= 2.0;
+  return r;
+}
+
+// The smallest and the largest float of bucket b.
+constexpr float bucket_low(int b) {
+  const int e = kSmallestBucketExponent + (b >> kBucketMantissaBits), m = b & ((1 << kBucketMantissaBits) - 1);
+  return static_cast<float>(power_of_two(e) * (1.0 + m / double(1 << kBucketMantissaBits)));
+}
+constexpr float bucket_high(int b) {
+  const int e = kSmallestBucketExponent + (b >> kBucketMantissaBits), m = b & ((1 << kBucketMantissaBits) - 1);
+  return static_cast<float>(power_of_two(e) * (1.0 + (m + 1) / double(1 << kBucketMantissaBits)) - power_of_two(e - 23));
 }
 
 constexpr QuantizationMap make_quantization_map(bool is_signed) {
@@ -48,11 +111,39 @@ constexpr QuantizationMap make_quantization_map(bool is_signed) {
   m.value[k++] = 0.0f;
   for (int i = 0; i < count; ++i) m.value[k++] = positive[i];
   m.value[k++] = 1.0f;
+  for (int b = 0; b < kBuckets; ++b) {
+    m.lower_code[0][b] = reference_code(m.value, is_signed, bucket_low(b));
+    m.lower_code[1][b] = reference_code(m.value, is_signed, -bucket_high(b));
+  }
   return m;
+}
+
+// What makes quantize_value equal reference_code for every float: the code is monotone in x, so a bucket
+// whose two ends' codes differ by at most one holds at most one change of code; the smaller code is never
+// 255 (so code + 1 exists); and magnitudes below the first bucket all get the code of 0.
+constexpr bool buckets_hold_one_change(const QuantizationMap& m, bool is_signed) {
+  const float below_first = static_cast<float>(power_of_two(kSmallestBucketExponent) - power_of_two(kSmallestBucketExponent - 24));
+  if (reference_code(m.value, is_signed, below_first) != zero_code(is_signed)) return false;
+  if (reference_code(m.value, is_signed, -below_first) != zero_code(is_signed)) return false;
+  for (int b = 0; b < kBuckets; ++b) {
+    const int positive_low = reference_code(m.value, is_signed, bucket_low(b));
+    const int positive_high = reference_code(m.value, is_signed, bucket_high(b));
+    const int negative_low = reference_code(m.value, is_signed, -bucket_high(b));
+    const int negative_high = reference_code(m.value, is_signed, -bucket_low(b));
+    if (positive_high - positive_low > 1 || negative_high - negative_low > 1) return false;
+    if (positive_low == 255 || negative_low == 255) return false;
+  }
+  return true;
 }
 
 inline constexpr QuantizationMap kSignedMap = make_quantization_map(true);
 inline constexpr QuantizationMap kUnsignedMap = make_quantization_map(false);
+#if !defined(__CUDACC__)  // nvcc's front end gives up on a loop this long; the C++ files (same tables) check it
+static_assert(buckets_hold_one_change(kSignedMap, true) && buckets_hold_one_change(kUnsignedMap, false),
+              "a quantisation bucket holds two changes of code: add mantissa bits to the buckets");
+#endif
+
+inline const QuantizationMap& host_quantization_map(bool is_signed) { return is_signed ? kSignedMap : kUnsignedMap; }
 
 // Whether state j of the algorithm can be negative (a signed map) or not (an unsigned one).
 GS_HD bool state_is_signed(const OptimOptions& o, int j) {
@@ -67,55 +158,19 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   }
 }
 
-inline constexpr int kSignedZeroCode = 127;  // -1 and 126 negative levels come first
-inline constexpr int kUnsignedZeroCode = 0;
-
-GS_HD int zero_code(bool is_signed) { return is_signed ? kSignedZeroCode : kUnsignedZeroCode; }
-
-#if defined(__CUDA_ARCH__)
-GS_HD float log10_f(float x) { return log10f(x); }
-GS_HD float floor_f(float x) { return floorf(x); }
-#else
-GS_HD float log10_f(float x) { return std::log10(x); }
-GS_HD float floor_f(float x) { return std::floor(x); }
-#endif
-
-// A first guess at the code of x (|x| < 1, not 0 or NaN) from the maps' structure: the decade from log10,
-// the level from the linear fraction. It is usually the answer or a neighbour; quantize_value then walks
-// to the exact one, so a poor guess costs time, never a different code.
-GS_HD int guess_code(bool is_signed, float x) {
-  const float a = x < 0.0f ? -x : x;
-  int d = static_cast<int>(floor_f(-log10_f(a)));
-  d = d < 0 ? 0 : (d > 6 ? 6 : d);
-  float t = a;
-  for (int i = 0; i < d; ++i) t = t * 10.0f;  // a * 10^d, in [0.1, 1) up to rounding
-  const int n = 1 << ((is_signed ? 6 : 7) - d);
-  int i = static_cast<int>((t - 0.1f) / 0.9f * static_cast<float>(n));
-  i = i < 0 ? 0 : (i >= n ? n - 1 : i);
-  if (!is_signed) return (1 << (7 - d)) - 1 + i;  // decade d's levels start at code 2^(7-d) - 1
-  const int positive = 128 + (1 << (6 - d)) - 1 + i;
-  return x > 0.0f ? positive : (positive == 128 ? kSignedZeroCode : 255 - positive);  // negatives mirror
-}
-
-// The code of x = value / absmax (|x| <= 1 up to rounding) in `map`: the nearest map value, the one nearer
-// zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code of 0 (the block's
-// absmax is NaN then, so the value decodes to NaN anyway). Found as the first code whose value is >= x,
-// walking from guess_code (a few reads of the map instead of a binary search's eight).
-GS_HD uint8_t quantize_value(const float* map, bool is_signed, float x) {
+// reference_code's code of x, found in constant time: the bucket of |x| names the smaller of the (at most)
+// two codes its floats get, and the same nearest-value comparison as reference_code picks between them.
+GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
   if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
-  int lo;
-  if (x == 0.0f) lo = zero_code(is_signed);
-  else if (x >= 1.0f) lo = 255;
-  else if (x <= -1.0f) lo = 0;
-  else lo = guess_code(is_signed, x);
-  while (lo > 0 && map[lo - 1] >= x) --lo;
-  while (lo < 256 && map[lo] < x) ++lo;
-  if (lo == 0) return 0;
-  if (lo == 256) return 255;
-  const float above = map[lo] - x, below = x - map[lo - 1];
-  if (above < below) return static_cast<uint8_t>(lo);
-  if (below < above) return static_cast<uint8_t>(lo - 1);
-  return static_cast<uint8_t>(lo - 1 >= zero_code(is_signed) ? lo - 1 : lo);  // tie: toward zero
+  if (x >= 1.0f) return 255;
+  if (x <= -1.0f) return 0;
+  const float magnitude = x < 0.0f ? -x : x;
+  if (magnitude < kSmallestBucketValue) return static_cast<uint8_t>(zero_code(is_signed));
+  const int code = m.lower_code[x < 0.0f ? 1 : 0][bucket_of(magnitude)];
+  const float above = m.value[code + 1] - x, below = x - m.value[code];
+  if (above < below) return static_cast<uint8_t>(code + 1);
+  if (below < above) return static_cast<uint8_t>(code);
+  return static_cast<uint8_t>(code >= zero_code(is_signed) ? code : code + 1);  // tie: toward zero
 }
 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
@@ -123,19 +178,49 @@ GS_HD uint8_t quantize_value(const float* map, bool is_signed, float x) {
 inline constexpr float kLargestFloat = 3.40282347e+38f;
 GS_HD float finite_value(float v) { return v > kLargestFloat ? kLargestFloat : (v < -kLargestFloat ? -kLargestFloat : v); }
 
-// The block's scale: NaN if any value is NaN, else the largest |value| (at most FLT_MAX).
-GS_HD float absmax_step(float running, float value) {
-  value = finite_value(value);
-  const float a = value < 0.0f ? -value : value;
-  if (a != a) return a;
-  if (running != running) return running;
-  return a > running ? a : running;
+// A block's scale is the largest |value| (at most FLT_MAX), or, if any value is NaN, one canonical NaN
+// (the same bits on both backends, whatever NaN the arithmetic made). Magnitudes and that NaN order as
+// their bit patterns do (the NaN above all), so combining two is one unsigned max, in any order.
+inline constexpr uint32_t kCanonicalNaNBits = 0x7fffffffu;
+
+GS_HD float absmax_magnitude(float value) {
+  const float magnitude = bits_float(float_bits(finite_value(value)) & 0x7fffffffu);
+  return magnitude == magnitude ? magnitude : bits_float(kCanonicalNaNBits);
 }
 
-// value / absmax, the quantiser's input; 0 for an all-zero block.
-GS_HD float normalized(float value, float absmax) { return absmax > 0.0f ? finite_value(value) / absmax : 0.0f; }
+GS_HD float absmax_combine(float a, float b) {  // both from absmax_magnitude (or 0)
+  const uint32_t x = float_bits(a), y = float_bits(b);
+  return bits_float(x > y ? x : y);
+}
 
-GS_HD float dequantize_value(const float* map, uint8_t code, float absmax) { return map[code] * absmax; }
+GS_HD float absmax_step(float running, float value) { return absmax_combine(running, absmax_magnitude(value)); }
+
+// The quantiser's input, value / absmax, is computed as value * (1 / absmax): a multiply per element instead
+// of a division (the 8-bit kernels are instruction-bound), at the cost of one more rounding. A subnormal
+// absmax, whose reciprocal may overflow, divides instead. An all-zero (or NaN) block gives 0.
+inline constexpr float kSmallestNormalFloat = 1.17549435e-38f;
+
+struct BlockScale {
+  float absmax = 0.0f, inverse = 0.0f;
+  bool divide = false;
+};
+
+GS_HD BlockScale block_scale(float absmax) {
+  BlockScale b;
+  b.absmax = absmax;
+  if (absmax > 0.0f) {
+    b.inverse = 1.0f / absmax;
+    b.divide = absmax < kSmallestNormalFloat;
+  }
+  return b;
+}
+
+GS_HD float normalized(float value, const BlockScale& b) {
+  const float v = finite_value(value);
+  return b.divide ? v / b.absmax : v * b.inverse;
+}
+
+GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
 
 // Block sizes both backends support: powers of two from 32 to 1024 (a block is covered by 8 to 256 CUDA
 // threads of 4 elements each, inside one 1024-element pass of a thread block).

@@ -66,7 +66,7 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
   float values[4][1024];
   bool any_updated = false;
   for (int j = 0; j < States; ++j) {
-    const float* map = quantization_map(state_is_signed(o, j));
+    const QuantizationMap& map = host_quantization_map(state_is_signed(o, j));
     const float scale = t.absmax[j][b];
     for (int64_t i = begin; i < end; ++i) values[j][i - begin] = dequantize_value(map, t.codes[j][i], scale);
   }
@@ -87,9 +87,10 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
     float scale = 0.0f;
     for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, values[j][i - begin]);
     t.absmax[j][b] = scale;
-    const float* map = quantization_map(is_signed);
+    const QuantizationMap& map = host_quantization_map(is_signed);
+    const BlockScale block = block_scale(scale);
     for (int64_t i = begin; i < end; ++i)
-      t.codes[j][i] = quantize_value(map, is_signed, normalized(values[j][i - begin], scale));
+      t.codes[j][i] = quantize_value(map, is_signed, normalized(values[j][i - begin], block));
   }
 }
 
@@ -137,31 +138,24 @@ void visit_chunk(const OptimOptions& o, const OptimTensor& t, const OptimStepArg
 // The algorithm is chosen once per tensor, not per element.
 template <class T, int States>
 void elementwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a) {
-  auto with = [&](auto rule) { update_tensor<T, States>(o, t, a, rule); };
-  switch (o.algorithm) {
-    case OptimAlgorithm::Adam: return with([&](float g, float& p, float* s) { adam(o, k, g, p, s, false); });
-    case OptimAlgorithm::AdamW: return with([&](float g, float& p, float* s) { adam(o, k, g, p, s, true); });
-    case OptimAlgorithm::SGD: return with([&](float g, float& p, float* s) { sgd(o, k, g, p, s); });
-    case OptimAlgorithm::RMSprop: return with([&](float g, float& p, float* s) { rmsprop(o, k, g, p, s); });
-    case OptimAlgorithm::Adagrad: return with([&](float g, float& p, float* s) { adagrad(o, k, g, p, s); });
-    case OptimAlgorithm::Lion: return with([&](float g, float& p, float* s) { lion(o, k, g, p, s); });
-    case OptimAlgorithm::AdEMAMix: return with([&](float g, float& p, float* s) { ademamix(o, k, g, p, s); });
-    default: return;  // LAMB and LARS: layerwise()
-  }
+  with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+    constexpr OptimAlgorithm A = decltype(algorithm)::value;
+    update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { elementwise_rule<A>(o, k, g, p, s); });
+  });
 }
 
 // LAMB/LARS: pass 1 measures each chunk's squared norms in the shared order (layout.h) and writes nothing;
 // the chunk sums are combined in that order; pass 2 updates.
-template <class T, int States>
-void layerwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
-               float* chunk_norms, float* factor) {
+template <class T, int States, OptimAlgorithm A>
+void layerwise_tensor(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
+                      float* chunk_norms, float* factor) {
   const int64_t chunks = chunk_count(t.numel);
 #pragma omp parallel for schedule(static) if (t.numel >= kParallelMinElements)
   for (int64_t c = 0; c < chunks; ++c) {
     NormTree tree;
     const int64_t begin = c * kChunkElements, end = std::min(t.numel, begin + kChunkElements);
     visit_chunk<T, States>(o, t, a, begin, end, [&](int64_t offset, float g, float p, const float* s) {
-      const SquaredNorms n = layerwise_measure(o, k, g, p, s);
+      const SquaredNorms n = layerwise_measure<A>(o, k, g, p, s);
       tree.add(norm_slot_of_element(offset), n.param, n.update);
     });
     tree.total(chunk_norms[2 * c], chunk_norms[2 * c + 1]);
@@ -172,7 +166,15 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& 
   SquaredNorms total{0.0f, 0.0f};
   tree.total(total.param, total.update);
   const float f = *factor = layerwise_factor(o, k, total);
-  update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { layerwise_apply(o, k, f, g, p, s); });
+  update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { layerwise_apply<A>(o, k, f, g, p, s); });
+}
+
+template <class T, int States>
+void layerwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
+               float* chunk_norms, float* factor) {
+  with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+    layerwise_tensor<T, States, decltype(algorithm)::value>(o, k, t, a, chunk_norms, factor);
+  });
 }
 
 template <class T, int States>
@@ -210,7 +212,7 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
   if (!valid_block_size(block_size))
     throw std::invalid_argument("quantize_blockwise: block_size must be a power of two from 32 to 1024, got " +
                                 std::to_string(block_size));
-  const float* map = quantization_map(is_signed);
+  const QuantizationMap& map = host_quantization_map(is_signed);
   const int64_t blocks = block_count(numel, block_size);
 #pragma omp parallel for schedule(static) if (numel >= kParallelMinElements)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -218,7 +220,8 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
     float scale = 0.0f;
     for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
     absmax[b] = scale;
-    for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], scale));
+    const BlockScale block = block_scale(scale);
+    for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], block));
   }
 }
 
@@ -227,7 +230,7 @@ void dequantize_blockwise_cpu(const uint8_t* codes, const float* absmax, int64_t
   if (!valid_block_size(block_size))
     throw std::invalid_argument("dequantize_blockwise: block_size must be a power of two from 32 to 1024, got " +
                                 std::to_string(block_size));
-  const float* map = quantization_map(is_signed);
+  const QuantizationMap& map = host_quantization_map(is_signed);
 #pragma omp parallel for schedule(static) if (numel >= kParallelMinElements)
   for (int64_t i = 0; i < numel; ++i) out[i] = dequantize_value(map, codes[i], absmax[i / block_size]);
 }

@@ -103,8 +103,8 @@ struct Packet {
 // on the H200 the hint took AdamW at 64M parameters from 89% to 91% of copy bandwidth.
 template <class V>
 __device__ V load_streaming(const V* p) {
-  static_assert(sizeof(V) == 16 || sizeof(V) == 8, "vector accesses are 16 or 8 bytes");
-  using Raw = std::conditional_t<sizeof(V) == 16, float4, float2>;
+  static_assert(sizeof(V) == 16 || sizeof(V) == 8 || sizeof(V) == 4, "vector accesses are 16, 8 or 4 bytes");
+  using Raw = std::conditional_t<sizeof(V) == 16, float4, std::conditional_t<sizeof(V) == 8, float2, float>>;
   const Raw raw = __ldcs(reinterpret_cast<const Raw*>(p));
   V v;
   memcpy(&v, &raw, sizeof(V));
@@ -113,8 +113,8 @@ __device__ V load_streaming(const V* p) {
 
 template <class V>
 __device__ void store_streaming(V* p, const V& v) {
-  static_assert(sizeof(V) == 16 || sizeof(V) == 8, "vector accesses are 16 or 8 bytes");
-  using Raw = std::conditional_t<sizeof(V) == 16, float4, float2>;
+  static_assert(sizeof(V) == 16 || sizeof(V) == 8 || sizeof(V) == 4, "vector accesses are 16, 8 or 4 bytes");
+  using Raw = std::conditional_t<sizeof(V) == 16, float4, std::conditional_t<sizeof(V) == 8, float2, float>>;
   Raw raw;
   memcpy(&raw, &v, sizeof(V));
   __stcs(reinterpret_cast<Raw*>(p), raw);
@@ -190,26 +190,31 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
 
 // ---- 8-bit states ----
 
-// The two maps, copied from constant memory into the block's shared memory (quantize_value and
-// dequantize_value read them at data-dependent positions). Called by every thread of the block.
+// The two maps with their bucket tables (blockwise.h), copied from constant memory into the block's shared
+// memory (quantize_value and dequantize_value read them at data-dependent positions). Called by every
+// thread of the block.
 __constant__ QuantizationMap kDeviceMaps[2] = {make_quantization_map(false), make_quantization_map(true)};
+static_assert(sizeof(QuantizationMap) % 4 == 0, "the maps are copied as 32-bit words");
 
 __device__ const QuantizationMap* load_maps_to_shared() {
   __shared__ QuantizationMap maps[2];
-  for (int i = threadIdx.x; i < 512; i += blockDim.x) maps[i / 256].value[i % 256] = kDeviceMaps[i / 256].value[i % 256];
+  constexpr int kWords = int(sizeof(maps) / 4);
+  auto* to = reinterpret_cast<uint32_t*>(maps);
+  const auto* from = reinterpret_cast<const uint32_t*>(kDeviceMaps);
+  for (int i = threadIdx.x; i < kWords; i += blockDim.x) to[i] = from[i];
   __syncthreads();
   return maps;
 }
 
-// Per value k, the max over the `group` consecutive threads (a power of two from 8 to 256) that share a
-// quantisation block, NaN if any is NaN (absmax_step's rule); all N values in one exchange, so a group
-// wider than a warp meets at two barriers per pass whatever N is. Every thread of the block calls it;
-// all get their group's results. Values must be >= 0 or NaN.
+// Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 256) that
+// share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
+// barriers per pass whatever N is (a warp-wide or narrower group needs shuffles only). Every thread of the
+// block calls it; all get their group's results. Values come from absmax_magnitude (or are 0 or 1).
 template <int N>
 __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThreads / 32]) {
   for (int offset = min(group, 32) / 2; offset > 0; offset /= 2) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = absmax_step(v[k], __shfl_xor_sync(0xffffffffu, v[k], offset));
+    for (int k = 0; k < N; ++k) v[k] = absmax_combine(v[k], __shfl_xor_sync(0xffffffffu, v[k], offset));
   }
   if (group <= 32) return;
   const int warp = threadIdx.x / 32, warps = group / 32, first = warp / warps * warps;
@@ -221,46 +226,83 @@ __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThread
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     v[k] = exchange[k][first];
-    for (int w = first + 1; w < first + warps; ++w) v[k] = absmax_step(v[k], exchange[k][w]);
+    for (int w = first + 1; w < first + warps; ++w) v[k] = absmax_combine(v[k], exchange[k][w]);
   }
   __syncthreads();  // exchange[] is reused by the next pass
 }
 
-// The 8-bit counterpart of for_each_element: each thread owns 4 consecutive elements per 1024-element
-// pass; the block_size / 4 threads of one quantisation block dequantise their states, run body (false:
-// skipped, p and s unchanged), and, with Writes, store the updated elements' parameters and, when any
-// element of the block was updated, agree on the new absmax and requantise. An all-skipped block keeps
-// codes and absmax bit-identical. Every thread runs every pass (the group reductions need them all);
-// elements past the tensor's end take no part.
+// N elements of type T at p (aligned to min(16, N * sizeof(T)) bytes), loaded or stored in 16-byte (or
+// smaller) streaming pieces.
+template <class T, int N>
+__device__ Pack<T, N> load_pack(const T* p) {
+  constexpr int kPiece = 16 / sizeof(T) < N ? 16 / sizeof(T) : N;
+  Pack<T, N> v;
+#pragma unroll
+  for (int i = 0; i < N; i += kPiece) {
+    const Pack<T, kPiece> piece = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(p + i));
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) v.v[i + k] = piece.v[k];
+  }
+  return v;
+}
+
+template <class T, int N>
+__device__ void store_pack(T* p, const Pack<T, N>& v) {
+  constexpr int kPiece = 16 / sizeof(T) < N ? 16 / sizeof(T) : N;
+#pragma unroll
+  for (int i = 0; i < N; i += kPiece) {
+    Pack<T, kPiece> piece;
+#pragma unroll
+    for (int k = 0; k < kPiece; ++k) piece.v[k] = v.v[i + k];
+    store_streaming(reinterpret_cast<Pack<T, kPiece>*>(p + i), piece);
+  }
+}
+
+template <class T, int N>
+__device__ bool pack_aligned(const T* p) {
+  return aligned(p, sizeof(T) * N < 16 ? int(sizeof(T) * N) : 16);
+}
+
+// The 8-bit counterpart of for_each_element: each thread owns V consecutive elements per pass of
+// kThreads * V; the block_size / V threads of one quantisation block dequantise their states, run body
+// (false: skipped, p and s unchanged), and, with Writes, store the updated elements' parameters and, when
+// any element of the block was updated, agree on the new absmax and requantise. An all-skipped block keeps
+// codes and absmax bit-identical. Writing passes take V = 8, so a 256-element block is one warp and its
+// absmax needs shuffles only; the measuring pass (Writes false, LAMB/LARS pass 1) takes V = 4, layout.h's
+// norm order. Every thread runs every pass (group reductions wider than a warp need them all); elements
+// past the tensor's end take no part.
 template <class T, int States, bool Writes, class Body>
 __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTable& table, const BlockWork& w,
                                            int block_size, const QuantizationMap* maps, Body body) {
+  constexpr int V = Writes ? 8 : kNormVector;
   __shared__ float exchange[States + 1][kThreads / 32];
   T* param = static_cast<T*>(table.param[w.tensor]);
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
-  const bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
+  const bool wide = pack_aligned<T, V>(param) && pack_aligned<T, V>(grad);
   bool wide_codes = true;
 #pragma unroll
-  for (int j = 0; j < States; ++j) wide_codes = wide_codes && aligned(table.state[j][w.tensor], 4);
-  const int group = block_size / kVec;
-  for (int it = 0; it < kIterations; ++it) {
-    const int64_t base = w.begin + (int64_t(it) * kThreads + threadIdx.x) * kVec;
+  for (int j = 0; j < States; ++j) wide_codes = wide_codes && pack_aligned<uint8_t, V>(static_cast<uint8_t*>(table.state[j][w.tensor]));
+  const int group = block_size / V;
+  for (int64_t pass = w.begin; pass < w.end; pass += kThreads * V) {
+    const int64_t base = pass + int64_t(threadIdx.x) * V;
     const int64_t quant_block = base / block_size;
-    const bool full = base + kVec <= w.end;
-    float g[kVec] = {}, p[kVec] = {}, s[kVec][4] = {}, scale[4] = {};
-    bool valid[kVec], updated[kVec] = {};
-    for (int e = 0; e < kVec; ++e) valid[e] = base + e < w.end;
-    Pack<T, kVec> p4{};  // the parameters as loaded: skipped elements are stored back with their own bits
-    if (wide && full) {
-      const Pack<T, kVec> g4 = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(grad + base));
-      p4 = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(param + base));
+    const bool full = base + V <= w.end;
+    float g[V] = {}, p[V] = {}, s[V][4] = {}, scale[4] = {};
+    bool valid[V], updated[V] = {};
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        g[e] = ElementTraits<T>::load(g4.v[e]);
-        p[e] = ElementTraits<T>::load(p4.v[e]);
+    for (int e = 0; e < V; ++e) valid[e] = base + e < w.end;
+    Pack<T, V> p_raw{};  // the parameters as loaded: skipped elements are stored back with their own bits
+    if (wide && full) {
+      const Pack<T, V> g_raw = load_pack<T, V>(grad + base);
+      p_raw = load_pack<T, V>(param + base);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        g[e] = ElementTraits<T>::load(g_raw.v[e]);
+        p[e] = ElementTraits<T>::load(p_raw.v[e]);
       }
     } else {
-      for (int e = 0; e < kVec; ++e)
+#pragma unroll
+      for (int e = 0; e < V; ++e)
         if (valid[e]) {
           g[e] = ElementTraits<T>::load(grad[base + e]);
           p[e] = ElementTraits<T>::load(param[base + e]);
@@ -268,22 +310,22 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
     }
 #pragma unroll
     for (int j = 0; j < States; ++j) {
-      const float* map = maps[state_is_signed(o, j) ? 1 : 0].value;
+      const QuantizationMap& map = maps[state_is_signed(o, j) ? 1 : 0];
       const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]);
       if (base < w.end) scale[j] = table.absmax[j][w.tensor][quant_block];
-      uint8_t c[kVec] = {};
+      Pack<uint8_t, V> c{};
       if (full && wide_codes) {
-        const uchar4 c4 = *reinterpret_cast<const uchar4*>(codes + base);
-        c[0] = c4.x; c[1] = c4.y; c[2] = c4.z; c[3] = c4.w;
+        c = load_pack<uint8_t, V>(codes + base);
       } else {
-        for (int e = 0; e < kVec; ++e) if (valid[e]) c[e] = codes[base + e];
+#pragma unroll
+        for (int e = 0; e < V; ++e) if (valid[e]) c.v[e] = codes[base + e];
       }
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) s[e][j] = dequantize_value(map, c[e], scale[j]);
+      for (int e = 0; e < V; ++e) s[e][j] = dequantize_value(map, c.v[e], scale[j]);
     }
     bool any = false;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
+    for (int e = 0; e < V; ++e) {
       if (!valid[e]) continue;
       float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
       float pe = p[e];
@@ -297,10 +339,11 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
     if (Writes && any) {
       if (wide && full) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) if (updated[e]) p4.v[e] = ElementTraits<T>::store(p[e]);
-        store_streaming(reinterpret_cast<Pack<T, kVec>*>(param + base), p4);
+        for (int e = 0; e < V; ++e) if (updated[e]) p_raw.v[e] = ElementTraits<T>::store(p[e]);
+        store_pack<T, V>(param + base, p_raw);
       } else {
-        for (int e = 0; e < kVec; ++e) if (updated[e]) param[base + e] = ElementTraits<T>::store(p[e]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) if (updated[e]) param[base + e] = ElementTraits<T>::store(p[e]);
       }
     }
     if constexpr (Writes && States > 0) {
@@ -310,23 +353,26 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
 #pragma unroll
       for (int j = 0; j < States; ++j) {
         reduced[1 + j] = 0.0f;
-        for (int e = 0; e < kVec; ++e) if (valid[e]) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) if (valid[e]) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
       }
       group_max(reduced, group, exchange);
       if (reduced[0] == 0.0f || base >= w.end) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
         const float new_scale = reduced[1 + j];
+        const BlockScale block = block_scale(new_scale);
         const bool is_signed = state_is_signed(o, j);
-        const float* map = maps[is_signed ? 1 : 0].value;
+        const QuantizationMap& map = maps[is_signed ? 1 : 0];
         uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
-        uint8_t c[kVec];
+        Pack<uint8_t, V> c;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) c[e] = quantize_value(map, is_signed, normalized(s[e][j], new_scale));
+        for (int e = 0; e < V; ++e) c.v[e] = quantize_value(map, is_signed, normalized(s[e][j], block));
         if (full && wide_codes) {
-          *reinterpret_cast<uchar4*>(codes + base) = make_uchar4(c[0], c[1], c[2], c[3]);
+          store_pack<uint8_t, V>(codes + base, c);
         } else {
-          for (int e = 0; e < kVec; ++e) if (valid[e]) codes[base + e] = c[e];
+#pragma unroll
+          for (int e = 0; e < V; ++e) if (valid[e]) codes[base + e] = c.v[e];
         }
         if (base % block_size == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
       }
@@ -356,12 +402,13 @@ __global__ void __launch_bounds__(kThreads)
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
-    auto body = [&](float g, float& p, float* s) {
-      if (skipped(o, g)) return false;
-      elementwise_step(o, k, g, p, s);
-      return true;
-    };
-    for_each<T, States, Bits, true>(o, table, w, block_size, maps, body);
+    with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+      for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
+        if (skipped(o, g)) return false;
+        elementwise_rule<decltype(algorithm)::value>(o, k, g, p, s);
+        return true;
+      });
+    });
   }
 }
 
@@ -395,11 +442,13 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
     SquaredNorms mine{0.0f, 0.0f};
-    for_each<T, States, Bits, false>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
-      const SquaredNorms n = layerwise_measure(o, k, g, p, s);
-      mine.param += n.param;
-      mine.update += n.update;
-      return false;
+    with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+      for_each<T, States, Bits, false>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
+        const SquaredNorms n = layerwise_measure<decltype(algorithm)::value>(o, k, g, p, s);
+        mine.param += n.param;
+        mine.update += n.update;
+        return false;
+      });
     });
     const SquaredNorms sum = block_sum(mine, partial);
     if (threadIdx.x == 0) {
@@ -438,10 +487,12 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const f
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
     const float factor = factors[table.factor_index[w.tensor]];
-    for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
-      if (skipped(o, g)) return false;
-      layerwise_apply(o, k, factor, g, p, s);
-      return true;
+    with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+      for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
+        if (skipped(o, g)) return false;
+        layerwise_apply<decltype(algorithm)::value>(o, k, factor, g, p, s);
+        return true;
+      });
     });
   }
 }
@@ -572,14 +623,15 @@ __global__ void quantize_kernel(const float* x, int64_t numel, int block_size, b
   float scale = 0.0f;
   for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
   absmax[b] = scale;
-  const float* map = kDeviceMaps[is_signed ? 1 : 0].value;
-  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], scale));
+  const QuantizationMap& map = kDeviceMaps[is_signed ? 1 : 0];
+  const BlockScale block = block_scale(scale);
+  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], block));
 }
 
 __global__ void dequantize_kernel(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
                                   bool is_signed, float* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < numel) out[i] = dequantize_value(kDeviceMaps[is_signed ? 1 : 0].value, codes[i], absmax[i / block_size]);
+  if (i < numel) out[i] = dequantize_value(kDeviceMaps[is_signed ? 1 : 0], codes[i], absmax[i / block_size]);
 }
 
 void check_block_size(const char* what, int block_size) {

@@ -181,19 +181,18 @@ GS_HD void ademamix(const OptimOptions& o, const Coefficients& k, float g, float
   s[2] = v;
 }
 
-// One element of any element-wise algorithm; skipped elements are left untouched.
-GS_HD void elementwise_step(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
-  if (skipped(o, g)) return;
-  switch (o.algorithm) {
-    case OptimAlgorithm::Adam: adam(o, k, g, p, s, false); break;
-    case OptimAlgorithm::AdamW: adam(o, k, g, p, s, true); break;
-    case OptimAlgorithm::SGD: sgd(o, k, g, p, s); break;
-    case OptimAlgorithm::RMSprop: rmsprop(o, k, g, p, s); break;
-    case OptimAlgorithm::Adagrad: adagrad(o, k, g, p, s); break;
-    case OptimAlgorithm::Lion: lion(o, k, g, p, s); break;
-    case OptimAlgorithm::AdEMAMix: ademamix(o, k, g, p, s); break;
-    default: break;  // LAMB and LARS use the layer-wise rules below
-  }
+// One element of element-wise algorithm A. A is a template argument so that a kernel's element loop holds
+// one algorithm's arithmetic without branches between elements (the 8-bit kernels are instruction-bound).
+template <OptimAlgorithm A>
+GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if constexpr (A == OptimAlgorithm::Adam) adam(o, k, g, p, s, false);
+  else if constexpr (A == OptimAlgorithm::AdamW) adam(o, k, g, p, s, true);
+  else if constexpr (A == OptimAlgorithm::SGD) sgd(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::RMSprop) rmsprop(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::Adagrad) adagrad(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::Lion) lion(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::AdEMAMix) ademamix(o, k, g, p, s);
+  else static_assert(A == OptimAlgorithm::AdEMAMix, "LAMB and LARS use the layer-wise rules below");
 }
 
 GS_HD bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
@@ -218,10 +217,12 @@ GS_HD void lamb_moments(const Coefficients& k, float g, const float* s, float& m
 // Pass 1 for one element; it writes nothing. LAMB (You et al. 2019, Algorithm 2) measures the update
 // direction u formed from the new moments, including the decoupled weight decay; LARS (You et al. 2017)
 // measures the gradient. A skipped element adds only its parameter to the norms.
+template <OptimAlgorithm A>
 GS_HD SquaredNorms layerwise_measure(const OptimOptions& o, const Coefficients& k, float g, float p, const float* s) {
+  static_assert(A == OptimAlgorithm::LAMB || A == OptimAlgorithm::LARS, "a layer-wise algorithm");
   if (skipped(o, g)) return {p * p, 0.0f};
   if (o.maximize) g = -g;
-  if (o.algorithm == OptimAlgorithm::LARS) return {p * p, g * g};
+  if constexpr (A == OptimAlgorithm::LARS) return {p * p, g * g};
   float m, v;
   lamb_moments(k, g, s, m, v);
   const float u = lamb_direction(k, m, v, p);
@@ -242,20 +243,53 @@ GS_HD float layerwise_factor(const OptimOptions& o, const Coefficients& k, Squar
 // nothing, and with 8-bit states pass 2 updates with the fp32 moments pass 1 measured, not with requantised
 // ones (those could round a second moment to 0 and take a step of m / eps).
 // LARS: v = momentum * v + lr * local_lr * (g + wd * p); p -= v.
+template <OptimAlgorithm A>
 GS_HD void layerwise_apply(const OptimOptions& o, const Coefficients& k, float factor, float g, float& p, float* s) {
+  static_assert(A == OptimAlgorithm::LAMB || A == OptimAlgorithm::LARS, "a layer-wise algorithm");
   if (skipped(o, g)) return;
   if (o.maximize) g = -g;
-  if (o.algorithm == OptimAlgorithm::LAMB) {
+  if constexpr (A == OptimAlgorithm::LAMB) {
     float m, v;
     lamb_moments(k, g, s, m, v);
     s[0] = m;
     s[1] = v;
     p = p - k.lr * factor * lamb_direction(k, m, v, p);
-    return;
+  } else {
+    const float v = k.momentum * s[0] + k.lr * factor * (g + k.weight_decay * p);
+    s[0] = v;
+    p = p - v;
   }
-  const float v = k.momentum * s[0] + k.lr * factor * (g + k.weight_decay * p);
-  s[0] = v;
-  p = p - v;
+}
+
+// The algorithms that keep a given number of states (optim_state_count): a kernel instantiated for States
+// states dispatches only among these, each with its own element loop. f receives AlgorithmTag<A>{}.
+template <OptimAlgorithm A>
+struct AlgorithmTag {
+  static constexpr OptimAlgorithm value = A;
+};
+
+template <int States, class F>
+GS_HD void with_elementwise_algorithm(OptimAlgorithm a, F&& f) {
+  using A = OptimAlgorithm;
+  switch (a) {
+    case A::Adam: if constexpr (States >= 2) f(AlgorithmTag<A::Adam>{}); break;
+    case A::AdamW: if constexpr (States >= 2) f(AlgorithmTag<A::AdamW>{}); break;
+    case A::SGD: if constexpr (States <= 1) f(AlgorithmTag<A::SGD>{}); break;
+    case A::RMSprop: if constexpr (States >= 1) f(AlgorithmTag<A::RMSprop>{}); break;
+    case A::Adagrad: if constexpr (States == 1) f(AlgorithmTag<A::Adagrad>{}); break;
+    case A::Lion: if constexpr (States == 1) f(AlgorithmTag<A::Lion>{}); break;
+    case A::AdEMAMix: if constexpr (States == 3) f(AlgorithmTag<A::AdEMAMix>{}); break;
+    default: break;
+  }
+}
+
+template <int States, class F>
+GS_HD void with_layerwise_algorithm(OptimAlgorithm a, F&& f) {
+  if constexpr (States == 2) {
+    if (a == OptimAlgorithm::LAMB) f(AlgorithmTag<OptimAlgorithm::LAMB>{});
+  } else if constexpr (States == 1) {
+    if (a == OptimAlgorithm::LARS) f(AlgorithmTag<OptimAlgorithm::LARS>{});
+  }
 }
 
 }  // namespace graphsafe::optim_detail

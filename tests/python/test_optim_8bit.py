@@ -160,7 +160,10 @@ def reference_quantize(x: torch.Tensor, block_size: int, signed: bool):
     absmax = per_block.abs().nan_to_num(0.0).amax(dim=1)
     absmax[nan_block] = float("nan")
     scale = absmax.repeat_interleave(block_size)[:n]
-    normalized = torch.where(scale > 0, flat / scale, torch.zeros_like(flat))  # fp32 division, as documented
+    # as documented: value * fp32(1 / absmax), a division for a subnormal absmax (its reciprocal may overflow)
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    subnormal = (scale > 0) & (scale < torch.finfo(torch.float32).tiny)
+    normalized = torch.where(subnormal, flat / scale, flat * inverse)
     qmap = MAPS[signed].to(torch.float64)
     dist = (qmap[None, :] - normalized.to(torch.float64)[:, None]).abs()
     nearest = dist == dist.min(dim=1, keepdim=True).values

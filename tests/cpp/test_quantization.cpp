@@ -1,0 +1,104 @@
+// The 8-bit quantiser (src/optim/blockwise.h): the constant-time quantize_value, which both backends use,
+// gives reference_code's nearest-value code (a binary search over the map) for every float we try: a
+// strided sweep over all floats in [-1, 1] and every float within 64 ulps of each map value, each
+// decision point between neighbours and each bucket edge. And the block scale: NaN-propagating with one
+// canonical NaN, sign-blind (-0.0 included), finite, independent of the order it is formed in.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "optim/blockwise.h"
+
+using namespace graphsafe;
+using namespace graphsafe::optim_detail;
+
+namespace {
+
+// Counts the floats among `candidates` whose fast code differs from the reference (and prints the first).
+int mismatches(bool is_signed, const std::vector<float>& candidates) {
+  const QuantizationMap& map = host_quantization_map(is_signed);
+  int wrong = 0;
+  for (float x : candidates) {
+    const int fast = quantize_value(map, is_signed, x), reference = reference_code(map.value, is_signed, x);
+    if (fast != reference && wrong++ == 0)
+      ADD_FAILURE() << (is_signed ? "signed" : "unsigned") << " map, x = " << x << " (bits " << std::hex
+                    << float_bits(x) << std::dec << "): fast " << fast << ", reference " << reference;
+  }
+  return wrong;
+}
+
+// Every float within `ulps` of v, both signs.
+void add_neighbours(std::vector<float>& out, float v, int ulps) {
+  const uint32_t bits = float_bits(std::fabs(v));
+  for (int d = -ulps; d <= ulps; ++d) {
+    if (d < 0 && bits < uint32_t(-d)) continue;
+    const float x = bits_float(bits + d);
+    out.push_back(x);
+    out.push_back(-x);
+  }
+}
+
+TEST(Quantization, FastCodeEqualsReferenceOnAStridedSweepOfAllFloatsUpToOne) {
+  std::vector<float> candidates;
+  for (uint32_t u = 0; u <= float_bits(1.0f); u += 97) {  // every 97th float in [0, 1], both signs
+    candidates.push_back(bits_float(u));
+    candidates.push_back(-bits_float(u));
+  }
+  for (bool is_signed : {false, true}) EXPECT_EQ(mismatches(is_signed, candidates), 0);
+}
+
+TEST(Quantization, FastCodeEqualsReferenceAroundEveryValueDecisionPointAndBucketEdge) {
+  for (bool is_signed : {false, true}) {
+    const QuantizationMap& map = host_quantization_map(is_signed);
+    std::vector<float> candidates;
+    for (int c = 0; c < 256; ++c) {
+      add_neighbours(candidates, map.value[c], 64);
+      if (c < 255) add_neighbours(candidates, (map.value[c] + map.value[c + 1]) / 2, 64);
+    }
+    for (int b = 0; b <= kBuckets; ++b) add_neighbours(candidates, bits_float(kFirstBucketBits + (uint32_t(b) << 16)), 8);
+    EXPECT_EQ(mismatches(is_signed, candidates), 0);
+  }
+}
+
+TEST(Quantization, OutOfRangeAndSpecialInputs) {
+  for (bool is_signed : {false, true}) {
+    const QuantizationMap& map = host_quantization_map(is_signed);
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    EXPECT_EQ(quantize_value(map, is_signed, nan), zero_code(is_signed));
+    EXPECT_EQ(quantize_value(map, is_signed, 1.5f), 255);
+    EXPECT_EQ(quantize_value(map, is_signed, inf), 255);
+    EXPECT_EQ(quantize_value(map, is_signed, -inf), 0);
+    EXPECT_EQ(quantize_value(map, is_signed, 0.0f), zero_code(is_signed));
+    EXPECT_EQ(quantize_value(map, is_signed, -0.0f), zero_code(is_signed));
+    EXPECT_EQ(quantize_value(map, is_signed, 1e-30f), zero_code(is_signed));
+    for (int c = 0; c < 256; ++c) {
+      if (!is_signed && map.value[c] < 0.0f) continue;
+      EXPECT_EQ(quantize_value(map, is_signed, map.value[c]), c) << "a map value is its own code";
+    }
+  }
+}
+
+TEST(Quantization, BlockScaleIsCanonicalNaNSignBlindFiniteAndOrderFree) {
+  const float negative_nan = bits_float(0xffc00001u), payload_nan = bits_float(0x7f800123u);
+  for (float nan : {negative_nan, payload_nan, std::numeric_limits<float>::quiet_NaN()}) {
+    EXPECT_EQ(float_bits(absmax_step(0.0f, nan)), kCanonicalNaNBits);
+    EXPECT_EQ(float_bits(absmax_step(absmax_step(0.0f, nan), 5.0f)), kCanonicalNaNBits);
+    EXPECT_EQ(float_bits(absmax_step(absmax_step(0.0f, 5.0f), nan)), kCanonicalNaNBits);
+  }
+  EXPECT_EQ(float_bits(absmax_step(0.0f, -0.0f)), 0u) << "-0.0 must not become the largest bit pattern";
+  EXPECT_EQ(absmax_step(0.0f, -std::numeric_limits<float>::infinity()), kLargestFloat);
+  EXPECT_EQ(absmax_step(absmax_step(0.0f, -3.0f), 2.0f), 3.0f);
+  const std::vector<float> values = {0.5f, -7.25f, 1e-30f, -0.0f, 3.0f, -1e20f, 2e-45f};
+  float forward = 0.0f, backward = 0.0f;
+  for (size_t i = 0; i < values.size(); ++i) {
+    forward = absmax_step(forward, values[i]);
+    backward = absmax_step(backward, values[values.size() - 1 - i]);
+  }
+  EXPECT_EQ(float_bits(forward), float_bits(backward));
+  EXPECT_EQ(forward, 1e20f);
+}
+
+}  // namespace
