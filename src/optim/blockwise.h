@@ -197,28 +197,25 @@ GS_HD float absmax_step(float running, float value) { return absmax_combine(runn
 
 // The quantiser's input, value / absmax, is computed as value * (1 / absmax): a multiply per element instead
 // of a division (the 8-bit kernels are instruction-bound), at the cost of one more rounding. A subnormal
-// absmax, whose reciprocal may overflow, divides instead. An all-zero (or NaN) block gives 0.
+// absmax, whose reciprocal may overflow, has both first scaled by 2^24 (exact: |value| <= absmax). An
+// all-zero (or NaN) block gives 0.
 inline constexpr float kSmallestNormalFloat = 1.17549435e-38f;
+inline constexpr float kSubnormalPrescale = 16777216.0f;  // 2^24
 
 struct BlockScale {
-  float absmax = 0.0f, inverse = 0.0f;
-  bool divide = false;
+  float prescale = 1.0f, inverse = 0.0f;
 };
 
 GS_HD BlockScale block_scale(float absmax) {
   BlockScale b;
-  b.absmax = absmax;
   if (absmax > 0.0f) {
-    b.inverse = 1.0f / absmax;
-    b.divide = absmax < kSmallestNormalFloat;
+    if (absmax < kSmallestNormalFloat) b.prescale = kSubnormalPrescale;
+    b.inverse = 1.0f / (absmax * b.prescale);
   }
   return b;
 }
 
-GS_HD float normalized(float value, const BlockScale& b) {
-  const float v = finite_value(value);
-  return b.divide ? v / b.absmax : v * b.inverse;
-}
+GS_HD float normalized(float value, const BlockScale& b) { return (finite_value(value) * b.prescale) * b.inverse; }
 
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
 

@@ -392,9 +392,14 @@ __device__ void for_each(const OptimOptions& o, const TensorTable& table, const 
   }
 }
 
+// The 8-bit kernels are instruction-bound and hide latency with more resident warps: their registers are
+// capped so that 4 blocks fit on an SM (the compiler alone took 92 registers, 2 blocks, on the H200).
+template <int Bits>
+constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 1;
+
 // Bits: 32 (fp32 states) or 8 (blockwise 8-bit states of block_size elements).
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
     elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks, int block_size) {
   __shared__ Coefficients k;
   const QuantizationMap* maps = nullptr;
@@ -478,7 +483,7 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const 
 
 // Layer-wise pass 2: LAMB forms and stores its new moments and updates; LARS updates its momentum.
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads) apply_kernel(OptimOptions o, const float* lr, TensorTable table,
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(OptimOptions o, const float* lr, TensorTable table,
                                                         int64_t total_blocks, int block_size, const float* factors) {
   __shared__ Coefficients k;
   const QuantizationMap* maps = nullptr;

@@ -147,6 +147,9 @@ def documented_map(signed: bool) -> torch.Tensor:
 MAPS = {True: documented_map(True), False: documented_map(False)}
 
 
+CANONICAL_NAN = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+
+
 def reference_quantize(x: torch.Tensor, block_size: int, signed: bool):
     """(codes, absmax, nan_block) of x by the documented rule, brute force. Codes of blocks holding a NaN
     are not specified (the block decodes to NaN whatever they are); nan_block marks those blocks."""
@@ -158,12 +161,12 @@ def reference_quantize(x: torch.Tensor, block_size: int, signed: bool):
     per_block = padded.view(blocks, block_size)
     nan_block = torch.isnan(per_block).any(dim=1)
     absmax = per_block.abs().nan_to_num(0.0).amax(dim=1)
-    absmax[nan_block] = float("nan")
+    absmax[nan_block] = CANONICAL_NAN  # one documented NaN, whatever NaN the block held
     scale = absmax.repeat_interleave(block_size)[:n]
-    # as documented: value * fp32(1 / absmax), a division for a subnormal absmax (its reciprocal may overflow)
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    subnormal = (scale > 0) & (scale < torch.finfo(torch.float32).tiny)
-    normalized = torch.where(subnormal, flat / scale, flat * inverse)
+    # as documented: value * fp32(1 / absmax); value and absmax first times 2^24 when absmax is subnormal
+    prescale = torch.where(scale < torch.finfo(torch.float32).tiny, 2.0**24, 1.0).to(torch.float32)
+    inverse = torch.where(scale > 0, 1.0 / (scale * prescale), torch.zeros_like(scale))
+    normalized = (flat * prescale) * inverse
     qmap = MAPS[signed].to(torch.float64)
     dist = (qmap[None, :] - normalized.to(torch.float64)[:, None]).abs()
     nearest = dist == dist.min(dim=1, keepdim=True).values
