@@ -30,8 +30,8 @@ from torch import Tensor
 from .partition import Region, output_from_env, run_regions
 from .trace import TensorSpec, TracedStep
 
-__all__ = ["InputMismatchError", "CaptureError", "EagerRunner", "FullCaptureRunner", "PiecewiseCaptureRunner",
-           "check_batch"]
+__all__ = ["InputMismatchError", "CaptureError", "EagerRunner", "CaptureRunner", "FullCaptureRunner",
+           "PiecewiseCaptureRunner", "check_batch"]
 
 logger = logging.getLogger("graphsafe.graph")
 
@@ -108,7 +108,9 @@ def _settle_after_failed_capture(stream: torch.cuda.Stream) -> None:
         pass
 
 
-class _CaptureRunnerBase:
+class CaptureRunner:
+    """What full and piecewise capture share: warm-up calls, static batch buffers, one pool, replay."""
+
     captured = True
 
     def __init__(self, traced: TracedStep, gm: torch.fx.GraphModule, optimizer: torch.optim.Optimizer,
@@ -151,7 +153,7 @@ class _CaptureRunnerBase:
                 p.grad = g
 
 
-class FullCaptureRunner(_CaptureRunnerBase):
+class FullCaptureRunner(CaptureRunner):
     """Graph + optimizer.step() in one CUDA graph."""
 
     def _capture_and_run(self) -> None:
@@ -170,7 +172,7 @@ class FullCaptureRunner(_CaptureRunnerBase):
         self.graph.replay()
 
 
-class PiecewiseCaptureRunner(_CaptureRunnerBase):
+class PiecewiseCaptureRunner(CaptureRunner):
     """One CUDA graph per capturable region, eager regions in between, one CUDA graph for optimizer.step()."""
 
     def __init__(self, traced, gm, optimizer, warmup_steps, regions: Sequence[Region]) -> None:

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .capture import (CaptureError, EagerRunner, FullCaptureRunner, PiecewiseCaptureRunner, check_batch)
+from .capture import (CaptureError, CaptureRunner, EagerRunner, FullCaptureRunner, PiecewiseCaptureRunner,
+                      check_batch)
 from .gate import GateReport, capture_gate
 from .partition import PartitionReport, partition_for_capture
 from .rewrite import RewriteReport, rewrite_embedding_backward
@@ -151,7 +152,8 @@ class CompiledStep:
         self.report.fallbacks.append(f"{self.mode} -> {next_mode}: {exc}")
         logger.warning("graphsafe.graph: %s capture failed, falling back to %s: %s", self.mode, next_mode, exc)
         self._use(next_mode, f"fallback after a failed {self.mode} capture")
-        self._runner.calls = self.warmup_steps if hasattr(self._runner, "calls") else 0  # warm already
+        if isinstance(self._runner, CaptureRunner):
+            self._runner.calls = self.warmup_steps  # the warm-up steps were taken already: capture on this call
         return self(batch)
 
 
