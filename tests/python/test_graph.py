@@ -288,6 +288,14 @@ def test_piecewise_equals_whole_graph_equals_eager_bitwise():
     assert {name for r in regions if not r.capturable for name in r.nodes} == gate.unsafe_nodes()
     assert report.num_eager >= 2 and report.num_capturable >= 2
     assert all(r.capturable != regions[i + 1].capturable for i, r in enumerate(regions[:-1]))
+    # Captured regions only see static shapes and no host numbers read from the device.
+    values = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    for region in regions:
+        if region.capturable:
+            for name in region.inputs:
+                value = values[name]
+                assert not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)), name
+                assert all(isinstance(s, int) for s in getattr(value, "shape", ())), (name, value.shape)
 
     inputs = traced.inputs(batch)
     with torch.no_grad():

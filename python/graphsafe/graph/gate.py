@@ -91,7 +91,10 @@ def _is_bool_mask_index(node: Node, device: torch.device) -> bool:
 
 
 def _has_data_dependent_shape(node: Node, device: torch.device) -> bool:
-    return any(_unbacked(t.shape) for t in _tensors(_val(node)))
+    # Inputs count too: a kernel captured on a tensor of data-dependent size (e.g. the mean of nonzero's
+    # result) would replay with the size seen at capture.
+    values = _tensors(_val(node)) + [t for i in _input_nodes(node) for t in _tensors(_val(i))]
+    return any(_unbacked(t.shape) for t in values)
 
 
 def _uses_device_scalar(node: Node, device: torch.device) -> bool:
@@ -150,8 +153,8 @@ RULES: tuple[Rule, ...] = (
          "whose size depends on the data. Use torch.where(mask, ..., ...) or a multiply by the mask",
          "test_rule_bool_mask_index: x[mask] inside torch.cuda.graph raises"),
     Rule("data_dependent_shape", _has_data_dependent_shape,
-         "its shape depends on values computed on the device (it follows one of the nodes above), so it must run "
-         "eagerly with them",
+         "its shape, or an input's, depends on values computed on the device (it follows one of the nodes above): "
+         "a captured kernel would keep the size seen at capture, so it runs eagerly with them",
          "covered by the dynamic_output_shape test (consumers of nonzero's output run eagerly in piecewise mode)"),
     Rule("device_scalar", _uses_device_scalar,
          "uses (or computes) a host number that was read from the device (e.g. the result of .item()): a captured "
