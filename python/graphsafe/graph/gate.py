@@ -184,9 +184,10 @@ def _is_rng(node: Node, device: torch.device) -> bool:
 # Notes do not make a node unsafe; they are listed so the user knows what a capture implies.
 NOTES: tuple[Rule, ...] = (
     Rule("rng", _is_rng,
-         "random op: capturable (torch registers the CUDA generator with the graph and advances its philox offset "
-         "on every replay, so each replay draws new numbers), but captured and eager runs need not draw the same "
-         "numbers, so bitwise comparisons with eager do not hold for it",
+         "random op: capturable with the default CUDA generator (torch registers it with the graph and advances its "
+         "philox offset on every replay, so each replay draws new numbers; another generator must be registered with "
+         "graph.register_generator_state), but captured and eager runs need not draw the same numbers, so bitwise "
+         "comparisons with eager do not hold for it",
          "test_rng_captures: torch.rand inside torch.cuda.graph captures and two replays draw different numbers"),
 )
 
