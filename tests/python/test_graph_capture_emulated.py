@@ -137,3 +137,33 @@ def test_emulated_capture_equals_the_eager_loop(emulated_cuda_graphs, runner, na
             assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
     assert step.captured
     assert all(p.grad is g for p, g in zip(step.traced.grad_params, step._runner.static_grads))
+
+
+def test_auto_falls_back_when_a_capture_fails_and_takes_the_step_once(emulated_cuda_graphs, caplog):
+    torch.manual_seed(1)
+    model = Planted(padding_idx=2)  # its .item() makes the emulated full capture fail, as a real one would
+    reference = use_graphsafe_embeddings(model)
+    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = graphsafe.optim.AdamW(reference.parameters(), lr=1e-2)
+    _record_optimizer_steps(optimizer)
+    gen = make_generator(5)
+    batches = [make_batch(gen, padding_idx=2) for _ in range(5)]
+    step = graphsafe.compile_step(model, ce_loss, optimizer, example_batch=batches[0])
+    assert step.requested_mode == "auto"
+    # As on CUDA if the gate had missed the host read: a full-capture runner.
+    step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
+    step.report.mode = "full"
+    with caplog.at_level("WARNING", logger="graphsafe.graph"):
+        for i, batch in enumerate(batches):
+            loss = step(batch)
+            ref_loss = ce_loss(reference(batch[0]), batch[1])
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
+            for p, r in zip(model.parameters(), reference.parameters()):
+                assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+    assert len(step.report.fallbacks) == 1 and step.report.fallbacks[0].startswith("full -> piecewise")
+    assert "host read while capturing" in step.report.fallbacks[0]
+    assert step.mode == "piecewise"
+    assert any("capture failed, falling back to piecewise" in r.getMessage() for r in caplog.records)
