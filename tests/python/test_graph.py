@@ -362,6 +362,40 @@ def test_compile_step_equals_the_eager_loop_bitwise(name, options, extra, mode):
                 assert_bitwise_equal(s[key], rs[key])
 
 
+class WithBatchNorm(EmbeddingModel):
+    """Buffers the step updates in place (running statistics), and a layout whose fake strides differ from the
+    real ones (CPU batch_norm on a transposed input returns a contiguous result; its meta kernel does not)."""
+
+    def __init__(self):
+        super().__init__(padding_idx=0)
+        self.norm = torch.nn.BatchNorm1d(DIM)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.tokens(ids).transpose(1, 2)).transpose(1, 2))
+
+
+def test_compile_step_updates_buffers_like_the_eager_loop():
+    torch.manual_seed(13)
+    model = WithBatchNorm()
+    reference = use_graphsafe_embeddings(model)
+    step = graphsafe.compile_step(model, ce_loss, graphsafe.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_optimizer = graphsafe.optim.AdamW(reference.parameters(), lr=1e-2)
+    gen = make_generator(6)
+    for i in range(3):
+        batch = make_batch(gen)
+        loss = step(batch)
+        ref_loss = ce_loss(reference(batch[0]), batch[1])
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
+        for p, r in zip(model.parameters(), reference.parameters()):
+            assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+        for (name, b), r in zip(model.named_buffers(), reference.buffers()):
+            assert_bitwise_equal(b, r, f"buffer {name} after step {i}")
+    assert int(model.norm.num_batches_tracked) == 3
+
+
 def test_compile_step_tuple_batch_and_report():
     torch.manual_seed(9)
     model = EmbeddingModel()

@@ -82,10 +82,32 @@ def as_batch(batch: Any) -> tuple[Tensor, ...]:
     return items
 
 
+_VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _views_as_reshapes(gm: GraphModule) -> GraphModule:
+    """aten.view -> aten.reshape, in place.
+
+    Fake kernels do not always predict the strides a real kernel returns (e.g. CPU batch_norm on a transposed
+    input gives a contiguous result where its meta kernel keeps the input's strides). The trace then holds a
+    view that the real strides cannot honour. reshape is a view whenever view would work, and a copy
+    otherwise, so the graph runs either way with the same values. Under capture the choice is made once, at
+    capture, from strides that do not change between replays.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _VIEW_OPS:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def trace_function(fn: Callable[..., Any], *example_args: Tensor) -> GraphModule:
     """make_fx in fake mode, with the failure modes a user meets explained."""
     try:
-        return make_fx(fn, tracing_mode="fake")(*example_args)
+        return _views_as_reshapes(make_fx(fn, tracing_mode="fake")(*example_args))
     except Exception as exc:  # noqa: BLE001 - re-raised with an explanation, original chained
         text = str(exc)
         if "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "DataDependent" in type(exc).__name__:
