@@ -280,7 +280,8 @@ def test_piecewise_equals_whole_graph_equals_eager_bitwise():
     traced = trace_training_step(model, ce_loss, batch)
     gm, _ = rewrite_embedding_backward(traced.graph_module)
     _, gate = capture_gate(gm, "cpu")
-    regions, report = partition_for_capture(gm, gate)
+    split, report = partition_for_capture(gm, gate)
+    regions = split.regions
 
     # Eager regions hold exactly the unsafe nodes; together the regions hold every op node, in order.
     op_nodes = [n.name for n in gm.graph.nodes if n.op == "call_function"]
@@ -301,19 +302,22 @@ def test_piecewise_equals_whole_graph_equals_eager_bitwise():
     with torch.no_grad():
         whole = gm(*inputs)
         pieces = run_regions(regions, gm, inputs)
+        split_outputs = split(*inputs)  # the split GraphModule calls the regions in order
     ref_loss, ref_grads = eager_grads(use_graphsafe_embeddings(model), ce_loss, batch)
-    assert len(whole) == len(pieces) == 1 + len(ref_grads)
-    for w, p, r in zip(whole, pieces, [ref_loss, *ref_grads]):
+    assert len(whole) == len(pieces) == len(split_outputs) == 1 + len(ref_grads)
+    for w, p, s, r in zip(whole, pieces, split_outputs, [ref_loss, *ref_grads]):
         assert_bitwise_equal(w, p)
+        assert_bitwise_equal(w, s)
         assert_bitwise_equal(w, r)
+    assert [n.target for n in split.graph.nodes if n.op == "call_module"] == [f"region_{r.index}" for r in regions]
 
 
 def test_partition_of_a_clean_graph_is_one_region():
     torch.manual_seed(4)
     model, batch = EmbeddingModel(), make_batch(make_generator(5))
     gm, _ = rewrite_embedding_backward(trace_training_step(model, ce_loss, batch).graph_module)
-    regions, report = partition_for_capture(gm, device="cpu")
-    assert len(regions) == 1 and regions[0].capturable
+    split, report = partition_for_capture(gm, device="cpu")
+    assert len(split.regions) == 1 and split.regions[0].capturable
     assert "1 regions (1 capturable, 0 eager)" in str(report)
 
 

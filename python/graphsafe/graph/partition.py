@@ -12,6 +12,7 @@ draws and is left for later).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -21,7 +22,7 @@ from torch.fx.node import map_arg
 
 from .gate import GateReport, capture_gate
 
-__all__ = ["Region", "PartitionReport", "partition_for_capture", "run_regions"]
+__all__ = ["Region", "PartitionReport", "partition_for_capture", "split_regions", "run_regions"]
 
 
 @dataclass
@@ -68,12 +69,23 @@ def _compute_nodes(graph: Graph) -> list[Node]:
 
 def partition_for_capture(
     gm: GraphModule, gate: GateReport | None = None, device: torch.device | str = "cuda"
-) -> tuple[list[Region], PartitionReport]:
-    """The graph's call_function nodes as an ordered list of regions (see the module docstring).
+) -> tuple[GraphModule, PartitionReport]:
+    """Split gm into regions (see the module docstring); returns the split graph and the report.
 
-    Placeholders stay outside the regions (run_regions feeds them); get_attr nodes (constants) are copied into
-    each region that uses them. `gate` defaults to capture_gate(gm, device).
+    The split graph is a GraphModule with gm's inputs and outputs whose body calls the regions in order
+    (submodules region_0, region_1, ...); calling it equals calling gm. Its `regions` attribute is the ordered
+    list of Region objects (module, capturable, named inputs and outputs), which is what the capture runners
+    use. Placeholders stay outside the regions; get_attr nodes (constants) are copied into each region that
+    uses them. `gate` defaults to capture_gate(gm, device).
     """
+    regions, report = split_regions(gm, gate, device)
+    return _split_graph_module(gm, regions), report
+
+
+def split_regions(
+    gm: GraphModule, gate: GateReport | None = None, device: torch.device | str = "cuda"
+) -> tuple[list[Region], PartitionReport]:
+    """The ordered list of regions behind partition_for_capture."""
     if gate is None:
         _, gate = capture_gate(gm, device)
     unsafe = gate.unsafe_nodes()
@@ -127,6 +139,32 @@ def _region_module(gm: GraphModule, nodes: list[Node], inputs: list[Node], outpu
     graph.output(tuple(env[n] for n in outputs))
     graph.lint()
     return GraphModule(gm, graph, class_name="Region")
+
+
+def _split_graph_module(gm: GraphModule, regions: list[Region]) -> GraphModule:
+    """A GraphModule with gm's signature that calls the regions in order."""
+    root = torch.nn.Module()
+    graph = Graph()
+    env: dict[str, Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node.name] = graph.placeholder(node.name)
+            env[node.name].meta = dict(node.meta)
+        elif node.op == "get_attr":  # constants the graph returns directly (rare)
+            setattr(root, node.target.replace(".", "_"), _get_attr(gm, node.target))
+            env[node.name] = graph.get_attr(node.target.replace(".", "_"))
+    for region in regions:
+        name = f"region_{region.index}"
+        root.add_module(name, region.module)
+        call = graph.call_module(name, tuple(env[n] for n in region.inputs))
+        for i, output in enumerate(region.outputs):
+            env[output] = graph.call_function(operator.getitem, (call, i))
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    graph.output(map_arg(output_node.args[0], lambda n: env[n.name]))
+    graph.lint()
+    split = GraphModule(root, graph, class_name="PartitionedGraph")
+    split.regions = regions
+    return split
 
 
 def run_regions(regions: Sequence[Region], gm: GraphModule, inputs: Sequence[Any]) -> Any:

@@ -104,8 +104,8 @@ class CompiledStep:
         traced = trace_training_step(self.model, self.loss_fn, batch, self.num_model_inputs)
         gm, rewrite = rewrite_embedding_backward(traced.graph_module)
         _, gate = capture_gate(gm, self.device)
-        regions, partition = partition_for_capture(gm, gate, self.device)
-        self.traced, self.graph_module, self.regions = traced, gm, regions
+        split, partition = partition_for_capture(gm, gate, self.device)
+        self.traced, self.graph_module, self.regions = traced, gm, split.regions
         self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition)
         mode, decision = self._choose_mode(gate, partition)
         self._use(mode, decision)
