@@ -400,6 +400,28 @@ def test_compile_step_updates_buffers_like_the_eager_loop():
     assert int(model.norm.num_batches_tracked) == 3
 
 
+def test_unused_and_frozen_parameters_are_left_alone():
+    class Partial(EmbeddingModel):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(DIM, DIM)
+            self.positions.weight.requires_grad_(False)
+
+    torch.manual_seed(14)
+    model = Partial()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    step = graphsafe.compile_step(model, ce_loss, optimizer)
+    for _ in range(2):
+        step(make_batch(make_generator(15)))
+    assert step.traced.grad_param_names == ["tokens.weight", "head.weight", "head.bias"]
+    assert "positions.weight" in step.traced.buffer_names
+    for name in ("unused.weight", "unused.bias", "positions.weight"):  # no gradient, so no step (no decay either)
+        assert model.get_parameter(name).grad is None
+        assert_bitwise_equal(model.get_parameter(name).detach(), before[name], name)
+    assert not torch.equal(model.tokens.weight, before["tokens.weight"])
+
+
 def test_compile_step_tuple_batch_and_report():
     torch.manual_seed(9)
     model = EmbeddingModel()
