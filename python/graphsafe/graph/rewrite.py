@@ -125,6 +125,6 @@ def use_graphsafe_embeddings(model: torch.nn.Module) -> torch.nn.Module:
                 swapped = gs_nn.Embedding(child.num_embeddings, child.embedding_dim, padding_idx=child.padding_idx,
                                           scale_grad_by_freq=child.scale_grad_by_freq, _weight=child.weight,
                                           device=child.weight.device, dtype=child.weight.dtype)
-                swapped.weight = child.weight  # the same Parameter object: optimizers built on it keep working
+                swapped.weight = child.weight  # the copy's own Parameter object, so tied weights stay tied
                 setattr(parent, name, swapped)
     return model
