@@ -1,11 +1,12 @@
-# The two commands a newcomer needs: `make demo` (the main job) and `make test` (the whole test suite).
-# Both install what they need first. `make bench` runs the side-by-side benchmarks.
+# The commands a newcomer needs: `make train` (the main job: `graphsafe train` with its defaults), `make demo`
+# (the embedding-backward demo table) and `make test` (the whole test suite). All install what they need first.
+# `make bench` runs the side-by-side benchmarks.
 PYTHON ?= python3
 CPP_BUILD ?= build/cpp
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
 CMAKE_ARGS ?=
 
-.PHONY: install test test-cpp test-python demo bench clean
+.PHONY: install test test-cpp test-python train demo bench clean
 
 install:
 	$(PYTHON) -m pip install -q -r requirements-dev.txt
@@ -20,6 +21,9 @@ test-cpp:
 
 test-python: install
 	$(PYTHON) -m pytest -q tests/python
+
+train: install
+	$(PYTHON) -m graphsafe train
 
 demo: install
 	$(PYTHON) -m graphsafe demo

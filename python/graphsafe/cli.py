@@ -1,4 +1,4 @@
-"""The `graphsafe` command: `graphsafe bench` and `graphsafe demo`."""
+"""The `graphsafe` command: `graphsafe train`, `graphsafe bench` and `graphsafe demo`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,50 @@ def build_parser() -> argparse.ArgumentParser:
         description="Deterministic, CUDA-graph-capturable training steps for embedding-heavy models.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_train(commands)
     _add_bench(commands)
     _add_demo(commands)
     return parser
+
+
+def _add_train(commands) -> None:
+    from .trainer.run import OPTIMIZERS, SIZES
+
+    cpu, cuda = SIZES["cpu"], SIZES["cuda"]
+    train = commands.add_parser(
+        "train",
+        help="train a demo model with graphsafe.compile_step (trace, rewrite, gate, capture) and report",
+        description=(
+            "Train an embedding-heavy demo model (plain torch.nn.Embedding) on synthetic data from a seed, through "
+            "graphsafe.compile_step: the step is traced, aten's embedding backward rewritten to graphsafe's, checked "
+            "by the capture gate and captured in CUDA graphs where possible. Prints progress, then a summary table. "
+            f"Default sizes: cpu dim {cpu['dim']}, {cpu['layers']} layers, seq {cpu['seq_len']}, batch "
+            f"{cpu['batch_size']}, {cpu['steps']} steps; cuda dim {cuda['dim']}, {cuda['layers']} layers, seq "
+            f"{cuda['seq_len']}, batch {cuda['batch_size']}, {cuda['steps']} steps; vocabulary 32768 on both."
+        ),
+    )
+    train.add_argument("--model", choices=("lm", "recsys"), default="lm",
+                       help="lm: small transformer LM (default); recsys: recommender with large embedding tables")
+    train.add_argument("--moe", action="store_true", help="lm: a top-1 mixture-of-experts layer (half the experts start cold)")
+    train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="graphsafe optimizer (default adamw)")
+    train.add_argument("--lr", type=float, help="learning rate (default: per optimizer, see trainer/run.py)")
+    train.add_argument("--state-bits", type=int, choices=(32, 8), default=32, help="optimizer state bits (default 32)")
+    train.add_argument("--skip-zeros", action="store_true", help="leave elements with an exactly-zero gradient untouched")
+    train.add_argument("--mode", choices=("auto", "full", "piecewise", "eager"), default="auto",
+                       help="capture mode (default auto: full if the gate passes, else piecewise, else eager)")
+    train.add_argument("--steps", type=_positive_int, help="training steps (default: cpu 30, cuda 200)")
+    train.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when usable, else cpu")
+    train.add_argument("--seed", type=int, default=0, help="seed for the model, the data and the chain (default 0)")
+    train.add_argument("--batch-size", type=_positive_int, help="sequences (lm) or rows (recsys) per step")
+    train.add_argument("--seq-len", type=_positive_int, help="lm sequence length")
+    train.add_argument("--vocab", type=_positive_int, help="lm vocabulary / recsys item count (default 32768)")
+    train.add_argument("--dim", type=_positive_int, help="model width")
+    train.add_argument("--layers", type=_positive_int, help="lm transformer blocks")
+    train.add_argument("--check-determinism", action="store_true",
+                       help="train twice from the seed and compare the final parameters bitwise")
+    train.add_argument("--compare-torch", action="store_true",
+                       help="also time a plain eager PyTorch loop (torch.nn.Embedding, torch.optim.AdamW, fused on cuda)")
+    train.set_defaults(handler=_run_train)
 
 
 def _add_bench(commands) -> None:
@@ -70,6 +111,21 @@ def _run_bench(args: argparse.Namespace) -> int:
         json_out=args.json_out, seed=args.seed,
     )
     return run_bench(options)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .bench.harness import resolve_device
+    from .trainer import default_config, train
+
+    device = resolve_device(args.device)
+    config = default_config(
+        str(device), model=args.model, moe=args.moe, optimizer=args.optimizer, lr=args.lr, state_bits=args.state_bits,
+        skip_zeros=args.skip_zeros, mode=args.mode, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+        seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers,
+        check_determinism=args.check_determinism, compare_torch=args.compare_torch,
+    )
+    train(config)
+    return 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:

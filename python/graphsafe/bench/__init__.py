@@ -7,6 +7,7 @@ below.
 from .harness import BenchContext, BenchOptions, Suite, Target, register_suite, run_bench, suites
 from . import embedding  # noqa: F401,E402 - registers the "embedding" suite
 from . import optim  # noqa: F401,E402 - registers the "optim" suite
+from . import train  # noqa: F401,E402 - registers the "train" suite
 
 __all__ = ["BenchContext", "BenchOptions", "Suite", "Target", "register_suite", "run_bench", "suites", "run_demo"]
 

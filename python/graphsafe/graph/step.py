@@ -1,0 +1,177 @@
+"""graphsafe.compile_step: trace, rewrite, gate, partition, then run eagerly or captured.
+
+Convention: a batch is a tensor or a tuple of tensors. The first `num_model_inputs` (default 1) go to the
+model, the rest to the loss: `loss = loss_fn(model(*batch[:k]), *batch[k:])`. A lone tensor is the model
+input and loss_fn(output) takes no target.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .capture import (CaptureError, CaptureRunner, EagerRunner, FullCaptureRunner, PiecewiseCaptureRunner,
+                      check_batch)
+from .gate import GateReport, capture_gate
+from .partition import PartitionReport, partition_for_capture
+from .rewrite import RewriteReport, rewrite_embedding_backward
+from .trace import TracedStep, as_batch, trace_training_step
+
+__all__ = ["MODES", "StepReport", "CompiledStep", "compile_step"]
+
+logger = logging.getLogger("graphsafe.graph")
+
+MODES = ("auto", "full", "piecewise", "eager")
+
+
+@dataclass
+class StepReport:
+    """Everything the passes found, and the mode chosen (str() gives a readable summary)."""
+
+    requested_mode: str
+    device: torch.device
+    rewrite: RewriteReport
+    gate: GateReport
+    partition: PartitionReport
+    mode: str = ""
+    decision: str = ""
+    fallbacks: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [f"mode: {self.mode} (requested {self.requested_mode}) - {self.decision}"]
+        parts += [f"fallback: {f}" for f in self.fallbacks]
+        parts += [str(self.rewrite), str(self.gate), str(self.partition)]
+        return "\n".join(parts)
+
+
+class CompiledStep:
+    """A training step as a callable: step(batch) -> loss (a detached 0-d tensor on the model's device).
+
+    After a call, the parameters have been updated by `optimizer` exactly as by
+    `loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()`, except that
+    param.grad keeps this step's gradient (in captured modes, the static buffer the graphs write) instead of
+    being reset to None. The model is traced on the first call (or at construction when example_batch is
+    given); `.report` and `.mode` are available from then on.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
+                 mode: str = "auto", *, num_model_inputs: int = 1, warmup_steps: int = 2,
+                 example_batch: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1 (eager steps before the capture), got {warmup_steps!r}")
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.requested_mode, self.num_model_inputs, self.warmup_steps = mode, num_model_inputs, warmup_steps
+        self.device = _model_device(model)
+        self.traced: TracedStep | None = None
+        self.report: StepReport | None = None
+        self.graph_module: torch.fx.GraphModule | None = None
+        self._runner = None
+        if example_batch is not None:
+            self._prepare(as_batch(example_batch))
+
+    @property
+    def mode(self) -> str:
+        """The mode in use ("full", "piecewise" or "eager"); the requested one until the first call."""
+        return self.report.mode if self.report is not None else self.requested_mode
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._runner is not None and self._runner.captured)
+
+    def __call__(self, batch: Any) -> Tensor:
+        batch = as_batch(batch)
+        if self.traced is None:
+            self._prepare(batch)
+        check_batch(batch, self.traced.batch_specs)
+        try:
+            return self._runner(batch)
+        except CaptureError as exc:
+            if self.requested_mode != "auto":
+                raise
+            return self._fall_back(batch, exc)
+
+    # ---- setup ----
+
+    def _prepare(self, batch: tuple[Tensor, ...]) -> None:
+        traced = trace_training_step(self.model, self.loss_fn, batch, self.num_model_inputs)
+        gm, rewrite = rewrite_embedding_backward(traced.graph_module)
+        _, gate = capture_gate(gm, self.device)
+        split, partition = partition_for_capture(gm, gate, self.device)
+        self.traced, self.graph_module, self.regions = traced, gm, split.regions
+        self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition)
+        mode, decision = self._choose_mode(gate, partition)
+        self._use(mode, decision)
+
+    def _choose_mode(self, gate: GateReport, partition: PartitionReport) -> tuple[str, str]:
+        counts = f"{len(self.report.rewrite.rewritten)} embedding backward(s) rewritten, {len(gate.unsafe)} unsafe node(s)"
+        if self.requested_mode != "auto":
+            if self.requested_mode == "full" and not gate.passed and self.device.type == "cuda":
+                rules = ", ".join(sorted(gate.by_rule()))
+                raise CaptureError(f"mode='full' needs a graph without unsafe nodes; the gate found {len(gate.unsafe)} "
+                                   f"({rules}). Use mode='piecewise' or 'auto', or see step.report / docs/graph.md.\n{gate}")
+            return self.requested_mode, f"as requested; {counts}"
+        if gate.passed:
+            mode, why = "full", f"gate passed; {counts}"
+        elif partition.num_capturable > 0:
+            mode, why = "piecewise", (f"gate found unsafe nodes ({', '.join(sorted(gate.by_rule()))}); {counts}, "
+                                      f"{partition.num_eager} eager region(s)")
+        else:
+            mode, why = "eager", f"nothing capturable; {counts}"
+        if self.device.type != "cuda":
+            return "eager", f"{self.device.type}: CUDA graphs need cuda (there auto would choose {mode}: {why})"
+        return mode, why
+
+    def _use(self, mode: str, decision: str) -> None:
+        traced, gm, opt = self.traced, self.graph_module, self.optimizer
+        if self.device.type != "cuda":
+            # No capture on the CPU: the rewritten graph runs op by op (piecewise: region by region).
+            self._runner = EagerRunner(traced, gm, opt, self.regions if mode == "piecewise" else None)
+            if self.requested_mode != "auto":
+                decision += f"; {self.device.type}: run without capture"
+        elif mode == "full":
+            self._runner = FullCaptureRunner(traced, gm, opt, self.warmup_steps)
+        elif mode == "piecewise":
+            self._runner = PiecewiseCaptureRunner(traced, gm, opt, self.warmup_steps, self.regions)
+        else:
+            self._runner = EagerRunner(traced, gm, opt)
+        self.report.mode, self.report.decision = mode, decision
+        logger.info("graphsafe.graph: mode=%s (%s)", mode, decision)
+
+    def _fall_back(self, batch: tuple[Tensor, ...], exc: CaptureError) -> Tensor:
+        # auto mode: a capture that fails falls back one level (full -> piecewise -> eager). The failed capture
+        # ran no kernel, so this call's step has not been taken yet and is taken by the next runner.
+        next_mode = "piecewise" if self.mode == "full" and self.report.partition.num_capturable else "eager"
+        self.report.fallbacks.append(f"{self.mode} -> {next_mode}: {exc}")
+        logger.warning("graphsafe.graph: %s capture failed, falling back to %s: %s", self.mode, next_mode, exc)
+        self._use(next_mode, f"fallback after a failed {self.mode} capture")
+        if isinstance(self._runner, CaptureRunner):
+            self._runner.calls = self.warmup_steps  # the warm-up steps were taken already: capture on this call
+        return self(batch)
+
+
+def compile_step(model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
+                 mode: str = "auto", *, num_model_inputs: int = 1, warmup_steps: int = 2,
+                 example_batch: Any = None) -> CompiledStep:
+    """Compile `loss = loss_fn(model(*batch[:k]), *batch[k:]); backward; optimizer.step()` into one callable.
+
+    mode: "auto" (full capture when the gate passes, else piecewise, else eager), "full", "piecewise" or
+    "eager". On CUDA the first `warmup_steps` calls run eagerly (real steps), the next one captures. On the CPU
+    nothing is captured: the traced, rewritten graph runs op by op. See docs/graph.md.
+    """
+    return CompiledStep(model, loss_fn, optimizer, mode, num_model_inputs=num_model_inputs,
+                        warmup_steps=warmup_steps, example_batch=example_batch)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) != 1:
+        raise ValueError(f"compile_step needs all parameters and buffers on one device, got {sorted(map(str, devices))}")
+    return devices.pop()

@@ -1,0 +1,282 @@
+"""`graphsafe train`: train a demo model with compile_step and report what the graph trainer did.
+
+The model is plain PyTorch (torch.nn.Embedding); compile_step traces it, rewrites the embedding backward,
+gates and captures the step. The summary shows the mode chosen, the rewrites, any unsafe nodes with their
+reasons, step times (captured vs the same graph run eagerly, and optionally a plain PyTorch loop), optimizer
+state memory and, with --check-determinism, whether two runs end with bitwise identical parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from .. import optim
+from ..graph import compile_step
+from .data import LMData, RecsysData
+from .models import MixtureOfExperts, RecsysModel, TransformerLM, lm_loss, recsys_loss
+
+__all__ = ["TrainConfig", "TrainResult", "train", "OPTIMIZERS", "default_config"]
+
+# name -> (class, default options). Learning rates are chosen so the demo's loss falls within 20 steps.
+OPTIMIZERS: dict[str, tuple[type, dict]] = {
+    "adam": (optim.Adam, dict(lr=1e-2)),
+    "adamw": (optim.AdamW, dict(lr=1e-2, weight_decay=0.01)),
+    "sgd": (optim.SGD, dict(lr=0.5, momentum=0.9)),
+    "rmsprop": (optim.RMSprop, dict(lr=2e-3)),
+    "adagrad": (optim.Adagrad, dict(lr=0.1)),
+    "lion": (optim.Lion, dict(lr=2e-3, weight_decay=0.01)),
+    "lamb": (optim.LAMB, dict(lr=2e-2)),
+    "lars": (optim.LARS, dict(lr=1.0)),
+    "ademamix": (optim.AdEMAMix, dict(lr=1e-2)),
+}
+
+# Default sizes. The CPU default keeps `graphsafe train --steps 20 --device cpu` well under a minute on two
+# cores with a 32K vocabulary; CUDA runs a larger model by default.
+SIZES = {
+    "cpu": dict(dim=64, layers=2, heads=4, seq_len=32, batch_size=8, steps=30, users=50_000, recsys_batch=512),
+    "cuda": dict(dim=256, layers=4, heads=8, seq_len=128, batch_size=32, steps=200, users=1_000_000,
+                 recsys_batch=8192),
+}
+
+
+@dataclass
+class TrainConfig:
+    model: str = "lm"  # "lm" or "recsys"
+    moe: bool = False
+    experts: int = 8
+    optimizer: str = "adamw"
+    lr: float | None = None
+    state_bits: int = 32
+    skip_zeros: bool = False
+    mode: str = "auto"
+    steps: int = 30
+    device: str = "cpu"
+    seed: int = 0
+    batch_size: int = 8
+    seq_len: int = 32
+    vocab: int = 32768  # LM vocabulary, or the recommender's item count
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    users: int = 50_000
+    check_determinism: bool = False
+    compare_torch: bool = False
+    progress: bool = True
+
+
+def default_config(device: str, **overrides) -> TrainConfig:
+    sizes = dict(SIZES["cuda" if device.startswith("cuda") else "cpu"])
+    recsys_batch = sizes.pop("recsys_batch")
+    if overrides.get("model") == "recsys":
+        sizes["batch_size"] = recsys_batch
+    sizes.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(device=device, **sizes)
+
+
+@dataclass
+class RunStats:
+    losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+
+    def median_ms(self, skip: int) -> float | None:
+        times = self.step_ms[skip:] or self.step_ms
+        return statistics.median(times) if times else None
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    stats: RunStats
+    step: object  # the CompiledStep
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    extra: dict = field(default_factory=dict)
+
+
+def _build(config: TrainConfig):
+    """(model, data, loss_fn, model inputs per batch, description), all from config.seed."""
+    torch.manual_seed(config.seed)
+    device = torch.device(config.device)
+    if config.model == "lm":
+        model = TransformerLM(config.vocab, config.dim, config.layers, config.heads, config.seq_len,
+                              config.experts if config.moe else 0)
+        data = LMData(config.vocab, config.batch_size, config.seq_len, config.seed, device)
+        loss_fn, inputs = lm_loss, 1
+        what = (f"transformer LM: vocab {config.vocab}, dim {config.dim}, {config.layers} layers"
+                + (f", top-1 MoE with {config.experts} experts (half start cold)" if config.moe else ""))
+    elif config.model == "recsys":
+        if config.moe:
+            raise SystemExit("graphsafe train: --moe applies to --model lm only")
+        model = RecsysModel(config.users, config.vocab, 1024, config.dim)
+        data = RecsysData(config.users, config.vocab, 1024, config.batch_size, config.seed, device)
+        loss_fn, inputs = recsys_loss, 4
+        what = f"recommender: {config.users} users, {config.vocab} items, dim {config.dim}"
+    else:
+        raise SystemExit(f"graphsafe train: unknown model {config.model!r} (lm or recsys)")
+    model = model.to(device)
+    params = sum(p.numel() for p in model.parameters())
+    return model, data, loss_fn, inputs, f"{what} ({params / 1e6:.1f}M parameters)"
+
+
+def _optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
+    cls, options = OPTIMIZERS[config.optimizer]
+    options = dict(options, **({"lr": config.lr} if config.lr is not None else {}))
+    return cls(params, **options, skip_zeros=config.skip_zeros, state_bits=config.state_bits)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_loop(step_fn: Callable, data, steps: int, device: torch.device, show: Callable[[int, float, float], None] | None):
+    stats = RunStats()
+    for i in range(1, steps + 1):
+        batch = next(data)
+        _synchronize(device)
+        start = time.perf_counter()
+        loss = float(step_fn(batch))  # reading the loss synchronises, so the time covers the whole step
+        stats.step_ms.append((time.perf_counter() - start) * 1e3)
+        stats.losses.append(loss)
+        if show is not None:
+            show(i, loss, stats.step_ms[-1])
+    return stats
+
+
+class _Progress:
+    """One line rewritten in place on a terminal; plain lines otherwise (logs, pipes, tests)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.tty = steps, sys.stdout.isatty()
+
+    def __call__(self, i: int, loss: float, ms: float) -> None:
+        line = f"step {i:>5}/{self.steps}  loss {loss:8.4f}  {ms:8.2f} ms"
+        if self.tty:
+            print("\r" + line, end="\n" if i == self.steps else "", flush=True)
+        else:
+            print(line, flush=True)
+
+
+def _graph_run(config: TrainConfig, show=None, mode: str | None = None) -> TrainResult:
+    model, data, loss_fn, inputs, what = _build(config)
+    optimizer = _optimizer(config, model.parameters())
+    step = compile_step(model, loss_fn, optimizer, mode=mode or config.mode, num_model_inputs=inputs)
+    extra = {"model": what, "data": data.describe()}
+    cold = _cold_expert_weights(model)
+    stats = _run_loop(step, data, config.steps, torch.device(config.device), show)
+    if cold is not None:
+        last_inputs = next(data)[0]
+        extra["experts_without_tokens"] = model.experts_without_tokens(last_inputs)
+        now = _cold_expert_weights(model)
+        extra["cold_experts_unchanged"] = all(torch.equal(a, b) for a, b in zip(cold, now))
+    return TrainResult(config, stats, step, model, optimizer, extra)
+
+
+def _cold_expert_weights(model: torch.nn.Module) -> list[torch.Tensor] | None:
+    for module in model.modules():
+        if isinstance(module, MixtureOfExperts):
+            half = module.experts // 2
+            return [module.w_in[half:].detach().clone(), module.w_out[half:].detach().clone()]
+    return None
+
+
+def _torch_baseline(config: TrainConfig) -> tuple[RunStats, torch.optim.Optimizer]:
+    """The same model and data in a plain eager PyTorch loop with torch.optim.AdamW (fused on cuda)."""
+    model, data, loss_fn, inputs, _ = _build(config)
+    device = torch.device(config.device)
+    lr = config.lr if config.lr is not None else OPTIMIZERS["adamw"][1]["lr"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=device.type == "cuda")
+
+    def step(batch):
+        loss = loss_fn(model(*batch[:inputs]), *batch[inputs:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return _run_loop(step, data, config.steps, device, None), optimizer
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run the configured training and the comparisons it asks for; print progress and the summary."""
+    if config.optimizer not in OPTIMIZERS:
+        raise SystemExit(f"graphsafe train: unknown optimizer {config.optimizer!r}")
+    device = torch.device(config.device)
+    print(f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {device}, {config.optimizer}"
+          f" (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}), mode={config.mode}, "
+          f"{config.steps} steps, seed {config.seed}", flush=True)
+    result = _graph_run(config, _Progress(config.steps) if config.progress else None)
+    step = result.step
+    warm = getattr(step, "warmup_steps", 0) + 1
+    if step.captured:  # the same traced graph without capture, for the eager-vs-captured line
+        eager = _graph_run(replace(config, steps=min(config.steps, 20)), mode="eager")
+        result.extra["eager_ms"] = eager.stats.median_ms(1)
+    if config.check_determinism:
+        again = _graph_run(config)
+        pairs = list(zip(result.model.parameters(), again.model.parameters()))
+        differing = sum(1 for a, b in pairs if not _same_bits(a, b))
+        result.extra["determinism"] = (f"bitwise equal ({len(pairs)} parameter tensors, two runs)" if differing == 0
+                                       else f"DIFFERENT: {differing} of {len(pairs)} parameter tensors differ")
+    if config.compare_torch:
+        torch_stats, torch_opt = _torch_baseline(config)
+        result.extra["torch_ms"] = torch_stats.median_ms(1)
+        result.extra["torch_final_loss"] = torch_stats.losses[-1]
+        result.extra["torch_state_bytes"] = optim.state_bytes(torch_opt)
+    print(summary(result, warm))
+    return result
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal calls -0.0 == +0.0 and NaN != NaN)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def _mb(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
+
+
+def summary(result: TrainResult, warm: int) -> str:
+    from ..bench.report import markdown_table
+
+    config, stats, step, extra = result.config, result.stats, result.step, result.extra
+    report = step.report
+    rows = [("model", extra["model"]), ("data", extra["data"]), ("device", config.device)]
+    rows.append(("mode used", f"{step.mode}{' (captured)' if step.captured else ''}: {report.decision}"))
+    rows += [("fallback", f) for f in report.fallbacks]
+    rewrites = report.rewrite.rewritten
+    rows.append(("rewrites", f"{len(rewrites)} embedding backward(s) -> graphsafe.embedding_backward"
+                 + (f"; {len(report.rewrite.left_alone)} left alone" if report.rewrite.left_alone else "")))
+    rows += [("", r.split(": ", 1)[-1]) for r in rewrites]
+    rows += [("left alone", f"{n}: {why}") for n, why in report.rewrite.left_alone]
+    by_rule = report.gate.by_rule()
+    rows.append(("unsafe nodes", "none (the whole step is capturable)" if not by_rule else f"{len(report.gate.unsafe)}"))
+    for rule, findings in by_rule.items():
+        names = ", ".join(f.node for f in findings[:4]) + (", ..." if len(findings) > 4 else "")
+        rows.append((f"  {rule}", f"{names}: {findings[0].reason}"))
+    rows.append(("loss", f"{stats.losses[0]:.4f} -> {stats.losses[-1]:.4f} ({len(stats.losses)} steps)"))
+    label = f"{step.mode}{', captured' if step.captured else ''}"
+    rows.append((f"step time ({label})", f"{stats.median_ms(warm):.2f} ms (median after the first {warm} steps)"))
+    if "eager_ms" in extra:
+        rows.append(("step time (same graph, eager)", f"{extra['eager_ms']:.2f} ms"))
+    if "torch_ms" in extra:
+        rows.append(("step time (PyTorch eager, AdamW)", f"{extra['torch_ms']:.2f} ms "
+                     f"(final loss {extra['torch_final_loss']:.4f})"))
+    state = optim.state_bytes(result.optimizer)
+    line = f"{_mb(state)} ({config.optimizer}, {config.state_bits}-bit states)"
+    if "torch_state_bytes" in extra:
+        line += f"; torch.optim.AdamW: {_mb(extra['torch_state_bytes'])}"
+    rows.append(("optimizer state", line))
+    if "experts_without_tokens" in extra:
+        rows.append(("MoE", f"{extra['experts_without_tokens']} of {config.experts} experts got no token in a fresh "
+                     f"batch; cold experts' weights unchanged bitwise: {'yes' if extra['cold_experts_unchanged'] else 'no'}"
+                     + ("" if config.skip_zeros else " (use --skip-zeros to leave them untouched)")))
+    rows.append(("determinism", extra.get("determinism", "not checked (add --check-determinism)")))
+    return "\n" + markdown_table(["", "result"], rows)

@@ -1,0 +1,169 @@
+"""The capture runners' bookkeeping on the CPU, with torch.cuda's graph API replaced by an emulation.
+
+What is emulated: torch.cuda.graph records every aten op dispatched inside it (a TorchDispatchMode) together
+with its argument and result tensors; CUDAGraph.replay() re-runs the recorded ops on the same tensors and
+writes each result into the tensor recorded at capture. Like a real CUDA graph, a replay re-runs no Python:
+addresses, shapes and Python numbers are those of the capture, and only the recorded ops run. Unlike a real
+capture, the emulated capture also executes the ops once, so the first replay after a capture is skipped.
+graphsafe's optimizer update is a raw-pointer C++ call that the dispatcher does not see, so optimizer.step()
+is recorded as a whole.
+
+This checks what the runners do around the graphs (static batch buffers, region inputs/outputs, static
+copies of eager-region results, param.grad installation, replay order), bitwise against the eager loop. It
+says nothing about CUDA itself: tests/python/test_graph_cuda.py does that on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import graphsafe
+from graphsafe.graph import use_graphsafe_embeddings
+from graphsafe.graph.capture import FullCaptureRunner, PiecewiseCaptureRunner
+from conftest import assert_bitwise_equal, make_generator
+from test_graph import EmbeddingModel, Planted, ce_loss, make_batch
+
+
+class EmulatedGraph:
+    def __init__(self) -> None:
+        self.ops: list = []
+        self.captured_just_now = True
+
+    @torch.no_grad()
+    def replay(self) -> None:
+        if self.captured_just_now:  # the emulated capture already ran the ops once
+            self.captured_just_now = False
+            return
+        for entry in self.ops:
+            if callable(entry):
+                entry()
+                continue
+            func, args, kwargs, recorded = entry
+            fresh = func(*args, **kwargs)
+            for old, new in zip(tree_flatten(recorded)[0], tree_flatten(fresh)[0]):
+                if isinstance(old, torch.Tensor) and old is not new:
+                    old.copy_(new)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: EmulatedGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("emulated capture: host read while capturing")  # what CUDA refuses too
+        out = func(*args, **kwargs)
+        self.graph.ops.append((func, args, kwargs, out))
+        return out
+
+
+_RECORDING: list[EmulatedGraph] = []
+
+
+@contextlib.contextmanager
+def _emulated_capture(graph: EmulatedGraph, pool=None):
+    _RECORDING.append(graph)
+    try:
+        with _Recorder(graph):
+            yield
+    finally:
+        _RECORDING.pop()
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.fixture
+def emulated_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EmulatedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _emulated_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
+
+
+def _record_optimizer_steps(optimizer) -> None:
+    step = optimizer.step
+
+    def recorded_step(*args, **kwargs):
+        if _RECORDING:
+            _RECORDING[-1].ops.append(step)
+        return step(*args, **kwargs)
+
+    optimizer.step = recorded_step
+
+
+@pytest.mark.parametrize("runner", ["full", "piecewise"])
+@pytest.mark.parametrize("name, options", [("AdamW", dict(lr=1e-2)), ("LAMB", dict(lr=1e-2, skip_zeros=True)),
+                                           ("SGD", dict(lr=0.1, momentum=0.9))])
+def test_emulated_capture_equals_the_eager_loop(emulated_cuda_graphs, runner, name, options):
+    torch.manual_seed(0)
+    model = (EmbeddingModel if runner == "full" else Planted)(padding_idx=2, scale_grad_by_freq=True)
+    reference = use_graphsafe_embeddings(model)
+    optimizer = getattr(graphsafe.optim, name)(model.parameters(), **options)
+    ref_optimizer = getattr(graphsafe.optim, name)(reference.parameters(), **options)
+    _record_optimizer_steps(optimizer)
+    gen = make_generator(3)
+    batches = [make_batch(gen, padding_idx=2) for _ in range(8)]
+    step = graphsafe.compile_step(model, ce_loss, optimizer, mode=runner, example_batch=batches[0])
+    # compile_step only captures on CUDA; the model is on the CPU, so install the capture runner by hand.
+    if runner == "full":
+        step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
+    else:
+        step._runner = PiecewiseCaptureRunner(step.traced, step.graph_module, optimizer, 2, step.regions)
+        assert step.report.partition.num_eager >= 2
+    for i, batch in enumerate(batches):  # 2 warm-up steps, 1 capture, 5 replays
+        loss = step(batch)
+        ref_loss = ce_loss(reference(batch[0]), batch[1])
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
+        for p, r in zip(model.parameters(), reference.parameters()):
+            assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+    assert step.captured
+    assert all(p.grad is g for p, g in zip(step.traced.grad_params, step._runner.static_grads))
+
+
+def test_auto_falls_back_when_a_capture_fails_and_takes_the_step_once(emulated_cuda_graphs, caplog):
+    torch.manual_seed(1)
+    model = Planted(padding_idx=2)  # its .item() makes the emulated full capture fail, as a real one would
+    reference = use_graphsafe_embeddings(model)
+    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = graphsafe.optim.AdamW(reference.parameters(), lr=1e-2)
+    _record_optimizer_steps(optimizer)
+    gen = make_generator(5)
+    batches = [make_batch(gen, padding_idx=2) for _ in range(5)]
+    step = graphsafe.compile_step(model, ce_loss, optimizer, example_batch=batches[0])
+    assert step.requested_mode == "auto"
+    # As on CUDA if the gate had missed the host read: a full-capture runner.
+    step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
+    step.report.mode = "full"
+    with caplog.at_level("WARNING", logger="graphsafe.graph"):
+        for i, batch in enumerate(batches):
+            loss = step(batch)
+            ref_loss = ce_loss(reference(batch[0]), batch[1])
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
+            for p, r in zip(model.parameters(), reference.parameters()):
+                assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+    assert len(step.report.fallbacks) == 1 and step.report.fallbacks[0].startswith("full -> piecewise")
+    assert "host read while capturing" in step.report.fallbacks[0]
+    assert step.mode == "piecewise"
+    assert any("capture failed, falling back to piecewise" in r.getMessage() for r in caplog.records)
