@@ -395,7 +395,7 @@ __device__ void for_each(const OptimOptions& o, const TensorTable& table, const 
 // The 8-bit kernels are instruction-bound and hide latency with more resident warps: their registers are
 // capped so that 4 blocks fit on an SM (the compiler alone took 92 registers, 2 blocks, on the H200).
 template <int Bits>
-constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 1;
+constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 5;
 
 // Bits: 32 (fp32 states) or 8 (blockwise 8-bit states of block_size elements).
 template <class T, int States, int Bits>
@@ -407,13 +407,21 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
-    with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+    if constexpr (Bits == 8) {  // instruction-bound: one loop per algorithm, no branch between elements
+      with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+        for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
+          if (skipped(o, g)) return false;
+          elementwise_rule<decltype(algorithm)::value>(o, k, g, p, s);
+          return true;
+        });
+      });
+    } else {  // memory-bound: few registers matter more (rules.h, elementwise_step)
       for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
         if (skipped(o, g)) return false;
-        elementwise_rule<decltype(algorithm)::value>(o, k, g, p, s);
+        elementwise_step(o, k, g, p, s);
         return true;
       });
-    });
+    }
   }
 }
 
