@@ -48,6 +48,18 @@ def ce_loss(out, target):
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
+def assert_step_equals_eager_loop(loss, model, reference, ref_optimizer, batch, what=""):
+    """Takes one step of the plain eager loop on `reference` and asserts that compile_step's `loss` and the
+    parameters of `model` equal it bitwise."""
+    ref_loss = ce_loss(reference(batch[0]), batch[1])
+    ref_loss.backward()
+    ref_optimizer.step()
+    ref_optimizer.zero_grad()
+    assert_bitwise_equal(loss, ref_loss.detach(), f"loss {what}")
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert_bitwise_equal(p.detach(), r.detach(), f"parameters {what}")
+
+
 def make_batch(gen, batch=4, seq=8, index_dtype=torch.int64, padding_idx=None):
     ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
     ids[:, :3] = ids[0, 0]  # repeated rows, so scale_grad_by_freq and the summation order matter
@@ -352,14 +364,7 @@ def test_compile_step_equals_the_eager_loop_bitwise(name, options, extra, mode):
     gen = make_generator(8)
     for _ in range(4):
         batch = make_batch(gen, padding_idx=2)
-        loss = step(batch)
-        ref_loss = ce_loss(reference(batch[0]), batch[1])
-        ref_loss.backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        assert_bitwise_equal(loss, ref_loss.detach())
-        for p, r in zip(model.parameters(), reference.parameters()):
-            assert_bitwise_equal(p.detach(), r.detach())
+        assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch)
     assert step.mode == ("eager" if mode == "auto" else "piecewise")  # cpu: auto runs without capture
     assert not step.captured
     for p, r in zip(model.parameters(), reference.parameters()):
@@ -390,14 +395,7 @@ def test_compile_step_updates_buffers_like_the_eager_loop():
     gen = make_generator(6)
     for i in range(3):
         batch = make_batch(gen)
-        loss = step(batch)
-        ref_loss = ce_loss(reference(batch[0]), batch[1])
-        ref_loss.backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
-        for p, r in zip(model.parameters(), reference.parameters()):
-            assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+        assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
         for (name, b), r in zip(model.named_buffers(), reference.buffers()):
             assert_bitwise_equal(b, r, f"buffer {name} after step {i}")
     assert int(model.norm.num_batches_tracked) == 3

@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_flatten
 import graphsafe
 from graphsafe.graph import use_graphsafe_embeddings
 from graphsafe.graph.capture import FullCaptureRunner, PiecewiseCaptureRunner
-from conftest import assert_bitwise_equal, make_generator
-from test_graph import EmbeddingModel, Planted, ce_loss, make_batch
+from conftest import make_generator
+from test_graph import EmbeddingModel, Planted, assert_step_equals_eager_loop, ce_loss, make_batch
 
 
 class EmulatedGraph:
@@ -127,14 +127,7 @@ def test_emulated_capture_equals_the_eager_loop(emulated_cuda_graphs, runner, na
         step._runner = PiecewiseCaptureRunner(step.traced, step.graph_module, optimizer, 2, step.regions)
         assert step.report.partition.num_eager >= 2
     for i, batch in enumerate(batches):  # 2 warm-up steps, 1 capture, 5 replays
-        loss = step(batch)
-        ref_loss = ce_loss(reference(batch[0]), batch[1])
-        ref_loss.backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
-        for p, r in zip(model.parameters(), reference.parameters()):
-            assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+        assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
     assert step.captured
     assert all(p.grad is g for p, g in zip(step.traced.grad_params, step._runner.static_grads))
 
@@ -155,14 +148,7 @@ def test_auto_falls_back_when_a_capture_fails_and_takes_the_step_once(emulated_c
     step.report.mode = "full"
     with caplog.at_level("WARNING", logger="graphsafe.graph"):
         for i, batch in enumerate(batches):
-            loss = step(batch)
-            ref_loss = ce_loss(reference(batch[0]), batch[1])
-            ref_loss.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            assert_bitwise_equal(loss, ref_loss.detach(), f"loss at step {i}")
-            for p, r in zip(model.parameters(), reference.parameters()):
-                assert_bitwise_equal(p.detach(), r.detach(), f"parameters after step {i}")
+            assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
     assert len(step.report.fallbacks) == 1 and step.report.fallbacks[0].startswith("full -> piecewise")
     assert "host read while capturing" in step.report.fallbacks[0]
     assert step.mode == "piecewise"
