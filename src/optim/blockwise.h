@@ -58,7 +58,7 @@ GS_HD constexpr int zero_code(bool is_signed) { return is_signed ? kSignedZeroCo
 // value, the one nearer zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code
 // of 0 (the block's absmax is NaN then, so the value decodes to NaN anyway). A binary search; the fast
 // quantize_value below gives the same code for every float (checked at compile time per bucket, and over
-// millions of floats in tests/cpp/test_optim.cpp).
+// millions of floats in tests/cpp/test_quantization.cpp).
 constexpr uint8_t reference_code(const float* map, bool is_signed, float x) {
   if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
   int lo = 0, count = 256;  // lo becomes the first code whose value is >= x (256: none)
@@ -219,8 +219,9 @@ GS_HD float normalized(float value, const BlockScale& b) { return (finite_value(
 
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
 
-// Block sizes both backends support: powers of two from 32 to 1024 (a block is covered by 8 to 256 CUDA
-// threads of 4 elements each, inside one 1024-element pass of a thread block).
+// Block sizes both backends support: powers of two from 32 to 1024 (a block is covered by 4 to 128 CUDA
+// threads of 8 elements each, inside one 2048-element pass of a thread block; 8 to 256 threads of 4 in the
+// LAMB/LARS measuring pass).
 GS_HD bool valid_block_size(int64_t b) { return b >= 32 && b <= 1024 && (b & (b - 1)) == 0; }
 
 GS_HD int64_t block_count(int64_t numel, int64_t block_size) { return (numel + block_size - 1) / block_size; }

@@ -206,7 +206,7 @@ __device__ const QuantizationMap* load_maps_to_shared() {
   return maps;
 }
 
-// Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 256) that
+// Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
 // share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
 // barriers per pass whatever N is (a warp-wide or narrower group needs shuffles only). Every thread of the
 // block calls it; all get their group's results. Values come from absmax_magnitude (or are 0 or 1).
@@ -393,7 +393,8 @@ __device__ void for_each(const OptimOptions& o, const TensorTable& table, const 
 }
 
 // The 8-bit kernels are instruction-bound and hide latency with more resident warps: their registers are
-// capped so that 4 blocks fit on an SM (the compiler alone took 92 registers, 2 blocks, on the H200).
+// capped so that 3 blocks fit on an SM (85 registers; the compiler alone took 92, 2 blocks, on the H200; a cap at
+// 4 blocks spilled 340 bytes per thread in AdamW). The fp32-state kernels are capped at 5 blocks (46 registers).
 template <int Bits>
 constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 5;
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "graphsafe/optim.h"
+#include "optim/rules.h"
 
 #if defined(GRAPHSAFE_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -109,6 +110,35 @@ TEST(OptimCpu, RepeatsBitwise) {
     const OptimRun x = run_cpu(a, false, 5, 9000), y = run_cpu(a, false, 5, 9000);  // > 2 norm chunks
     EXPECT_EQ(std::memcmp(x.param.data(), y.param.data(), x.param.size() * 4), 0) << int(a);
   }
+}
+
+// The kernels dispatch the algorithm among those that keep their States count (rules.h); an algorithm or
+// option that changed its state count without updating the dispatch would silently skip the update.
+template <int States>
+int dispatched(const OptimOptions& o) {
+  int calls = 0;
+  optim_detail::with_elementwise_algorithm<States>(o.algorithm, [&](auto) { ++calls; });
+  optim_detail::with_layerwise_algorithm<States>(o.algorithm, [&](auto) { ++calls; });
+  return calls;
+}
+
+TEST(OptimCpu, EveryAlgorithmAndStateCountIsDispatchedOnce) {
+  for (OptimAlgorithm a : kAll)
+    for (int variant = 0; variant < 8; ++variant) {
+      OptimOptions o;
+      o.algorithm = a;
+      o.amsgrad = variant & 1;
+      o.centered = variant & 2;
+      o.momentum = variant & 4 ? 0.9 : 0.0;
+      int calls = -1;
+      switch (optim_state_count(o)) {
+        case 0: calls = dispatched<0>(o); break;
+        case 1: calls = dispatched<1>(o); break;
+        case 2: calls = dispatched<2>(o); break;
+        case 3: calls = dispatched<3>(o); break;
+      }
+      EXPECT_EQ(calls, 1) << "algorithm " << int(a) << " variant " << variant;
+    }
 }
 
 TEST(OptimCpu, RejectsInvalidHyperparameters) {

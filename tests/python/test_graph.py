@@ -369,6 +369,7 @@ def test_compile_step_equals_the_eager_loop_bitwise(name, options, extra, mode):
     assert not step.captured
     for p, r in zip(model.parameters(), reference.parameters()):
         s, rs = optimizer.state[p], ref_optimizer.state[r]
+        assert s and set(s) == set(rs)
         for key in s:
             if isinstance(s[key], torch.Tensor):
                 assert_bitwise_equal(s[key], rs[key])
@@ -487,6 +488,47 @@ def test_data_dependent_control_flow_is_a_trace_error():
     step = graphsafe.compile_step(model, ce_loss, graphsafe.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TraceError, match="branches on"):
         step(make_batch(make_generator(1)))
+
+
+def test_buffer_reassigned_in_forward_is_a_trace_error():
+    # functional_call restores the module's own buffers after the traced forward: a reassignment would be lost.
+    class Counting(EmbeddingModel):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, ids):
+            self.calls = self.calls + 1
+            return super().forward(ids)
+
+    model = Counting()
+    step = graphsafe.compile_step(model, ce_loss, graphsafe.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TraceError, match="assigns a new tensor to buffer.*calls.*in place"):
+        step(make_batch(make_generator(1)))
+
+
+def test_optimizer_capturability_is_known_before_capturing():
+    from graphsafe.graph.step import _optimizer_not_capturable
+
+    params = EmbeddingModel().parameters
+    assert _optimizer_not_capturable(graphsafe.optim.AdamW(params())) == ""
+    assert _optimizer_not_capturable(torch.optim.AdamW(params(), capturable=True)) == ""
+    assert "capturable=True" in _optimizer_not_capturable(torch.optim.AdamW(params()))
+
+
+def test_refused_full_mode_stays_refused(monkeypatch):
+    # As on CUDA: the gate finds unsafe nodes and mode="full" is refused. The next call must refuse again with
+    # the same clear error, not fail on half-kept state.
+    model = Planted()
+    step = graphsafe.compile_step(model, ce_loss, graphsafe.optim.SGD(model.parameters(), lr=0.1), mode="full")
+    step.device = torch.device("cuda")
+    monkeypatch.setattr("graphsafe.graph.step.partition_for_capture",
+                        lambda gm, gate, device: partition_for_capture(gm, gate, torch.device("cpu")))
+    batch = make_batch(make_generator(1))
+    for _ in range(2):
+        with pytest.raises(CaptureError, match="mode='full' needs a graph without unsafe nodes"):
+            step(batch)
+    assert step.traced is None and step._runner is None
 
 
 def test_full_mode_on_cpu_runs_the_whole_graph():

@@ -21,7 +21,6 @@ traced with; a different batch raises InputMismatchError (all modes, because the
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
 import torch
@@ -32,8 +31,6 @@ from .trace import TensorSpec, TracedStep
 
 __all__ = ["InputMismatchError", "CaptureError", "EagerRunner", "CaptureRunner", "FullCaptureRunner",
            "PiecewiseCaptureRunner", "check_batch"]
-
-logger = logging.getLogger("graphsafe.graph")
 
 
 class InputMismatchError(ValueError):
@@ -133,11 +130,15 @@ class CaptureRunner:
             self.pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.current_stream()
             torch.cuda.synchronize()
+            grads_before = [p.grad for p in self.traced.grad_params]
             try:
                 self._capture_and_run()
             except Exception as exc:
                 _settle_after_failed_capture(stream)
                 self.static_batch = None  # nothing usable was kept; the step was not taken
+                # The capture set param.grad to tensors of the aborted graph that nothing computed.
+                for p, g in zip(self.traced.grad_params, grads_before):
+                    p.grad = g
                 raise CaptureError(f"{type(self).__name__}: capture failed: {type(exc).__name__}: {exc}") from exc
             return self.static_loss.clone()
         for static, t in zip(self.static_batch, batch):
@@ -235,8 +236,8 @@ class PiecewiseCaptureRunner(CaptureRunner):
                 static = self.static_buffers.get(name)
                 if static is None:
                     env[name] = value
-                elif static.shape != value.shape:
-                    raise CaptureError(f"eager region {region.index} made {name} of shape {list(value.shape)}, but "
+                elif static.shape != value.shape:  # not a CaptureError: auto must not fall back mid-step
+                    raise RuntimeError(f"eager region {region.index} made {name} of shape {list(value.shape)}, but "
                                        f"it had shape {list(static.shape)} at capture; a captured region reads it")
                 else:
                     static.copy_(value)

@@ -142,37 +142,39 @@ RULES: tuple[Rule, ...] = (
          "reads a device value on the host (.item(), float(t), int(t), torch.equal): the CPU waits for the GPU, "
          "which is not allowed while a CUDA graph is recorded, and a replay would reuse the value read at capture. "
          "Keep the value as a tensor (e.g. torch.where instead of an if), or read it outside the step",
-         "test_rule_host_read: .item() inside torch.cuda.graph raises"),
+         "test_flagged_op_fails_under_capture[host_read]: .item() inside torch.cuda.graph raises"),
     Rule("dynamic_output_shape", _is_dynamic_shape_op,
          "output size depends on the data (nonzero, unique, masked_select, repeat_interleave without output_size): "
          "the CPU must read the size back from the GPU before it can allocate the result. Use a fixed-size "
          "formulation (torch.where, a mask multiply, nonzero_static, repeat_interleave(..., output_size=n))",
-         "test_rule_dynamic_output_shape: nonzero inside torch.cuda.graph raises; nonzero_static captures"),
+         "test_flagged_op_fails_under_capture[nonzero]: nonzero inside torch.cuda.graph raises; "
+         "test_unflagged_op_captures_and_replays_like_eager: nonzero_static captures"),
     Rule("bool_mask_index", _is_bool_mask_index,
          "indexes with a boolean mask (x[mask] or x[mask] = v): torch converts the mask to positions with nonzero, "
          "whose size depends on the data. Use torch.where(mask, ..., ...) or a multiply by the mask",
-         "test_rule_bool_mask_index: x[mask] inside torch.cuda.graph raises"),
+         "test_flagged_op_fails_under_capture[bool_mask_index]: x[mask] inside torch.cuda.graph raises"),
     Rule("data_dependent_shape", _has_data_dependent_shape,
          "its shape, or an input's, depends on values computed on the device (it follows one of the nodes above): "
          "a captured kernel would keep the size seen at capture, so it runs eagerly with them",
-         "covered by the dynamic_output_shape test (consumers of nonzero's output run eagerly in piecewise mode)"),
+         "not checked on a GPU yet (CPU tests only: captured regions read static shapes, test_graph.py)"),
     Rule("device_scalar", _uses_device_scalar,
          "uses (or computes) a host number that was read from the device (e.g. the result of .item()): a captured "
          "graph would keep the value from the capture forever",
-         "test_piecewise_host_read: the mul by an .item() value runs eagerly and the result equals eager"),
+         "test_device_scalar_is_frozen_at_capture; test_piecewise_host_read_equals_eager_and_is_faster"),
     Rule("device_to_host_copy", _is_device_to_host_copy,
          "copies a GPU tensor to the CPU (.cpu(), .tolist(), .numpy()): the CPU waits for the GPU, not allowed "
          "while capturing. Keep the tensor on the GPU",
-         "test_rule_device_to_host_copy: .cpu() inside torch.cuda.graph raises"),
+         "test_flagged_op_fails_under_capture[device_to_host_copy]: .cpu() inside torch.cuda.graph raises"),
     Rule("host_to_device_copy", _is_host_to_device_copy,
          "copies a CPU tensor to the GPU inside the step: from pageable memory the copy is synchronous (not allowed "
          "while capturing), and even from pinned memory a replay re-reads the host buffer captured. Create the "
          "tensor on the GPU (device=...) or register it as a buffer of the module",
-         "test_rule_host_to_device_copy: a pageable .to('cuda') inside torch.cuda.graph raises (pinned: captures)"),
+         "test_flagged_op_fails_under_capture[host_to_device_copy]: a pageable .to('cuda') inside "
+         "torch.cuda.graph raises; test_pinned_host_to_device_copy_captures_and_rereads_the_same_buffer"),
     Rule("cpu_op", _runs_on_cpu,
          "runs on the CPU while the step runs on CUDA: a CUDA graph records only GPU work, so a replay would not "
          "redo it (its result would be frozen). Create the tensors on the GPU",
-         "test_rule_cpu_op: a CPU op inside torch.cuda.graph is not replayed (its result stays frozen)"),
+         "test_cpu_op_is_flagged_and_not_replayed: a CPU op inside torch.cuda.graph is not replayed"),
 )
 
 
@@ -188,7 +190,7 @@ NOTES: tuple[Rule, ...] = (
          "philox offset on every replay, so each replay draws new numbers; another generator must be registered with "
          "graph.register_generator_state), but captured and eager runs need not draw the same numbers, so bitwise "
          "comparisons with eager do not hold for it",
-         "test_rng_captures: torch.rand inside torch.cuda.graph captures and two replays draw different numbers"),
+         "test_rng_captures_and_draws_new_numbers_per_replay: torch.rand captures, replays draw new numbers"),
 )
 
 

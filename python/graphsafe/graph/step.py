@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .capture import (CaptureError, CaptureRunner, EagerRunner, FullCaptureRunner, PiecewiseCaptureRunner,
                       check_batch)
+from ..optim._base import GraphsafeOptimizer
 from .gate import GateReport, capture_gate
 from .partition import PartitionReport, partition_for_capture
 from .rewrite import RewriteReport, rewrite_embedding_backward
@@ -105,13 +106,20 @@ class CompiledStep:
         gm, rewrite = rewrite_embedding_backward(traced.graph_module)
         _, gate = capture_gate(gm, self.device)
         split, partition = partition_for_capture(gm, gate, self.device)
-        self.traced, self.graph_module, self.regions = traced, gm, split.regions
         self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition)
-        mode, decision = self._choose_mode(gate, partition)
+        mode, decision = self._choose_mode(gate, partition)  # may refuse the mode: then nothing is kept
+        self.traced, self.graph_module, self.regions = traced, gm, split.regions
         self._use(mode, decision)
 
     def _choose_mode(self, gate: GateReport, partition: PartitionReport) -> tuple[str, str]:
         counts = f"{len(self.report.rewrite.rewritten)} embedding backward(s) rewritten, {len(gate.unsafe)} unsafe node(s)"
+        optimizer_problem = _optimizer_not_capturable(self.optimizer)
+        if self.device.type == "cuda" and optimizer_problem:
+            # Known before any capture: a capture would fail at optimizer.step() after the regions ran.
+            if self.requested_mode in ("full", "piecewise"):
+                raise CaptureError(f"mode={self.requested_mode!r} captures optimizer.step(), but {optimizer_problem}")
+            if self.requested_mode == "auto":
+                return "eager", f"{optimizer_problem}; {counts}"
         if self.requested_mode != "auto":
             if self.requested_mode == "full" and not gate.passed and self.device.type == "cuda":
                 rules = ", ".join(sorted(gate.by_rule()))
@@ -146,8 +154,9 @@ class CompiledStep:
         logger.info("graphsafe.graph: mode=%s (%s)", mode, decision)
 
     def _fall_back(self, batch: tuple[Tensor, ...], exc: CaptureError) -> Tensor:
-        # auto mode: a capture that fails falls back one level (full -> piecewise -> eager). The failed capture
-        # ran no kernel, so this call's step has not been taken yet and is taken by the next runner.
+        # auto mode: a capture that fails falls back one level (full -> piecewise -> eager). The optimizer step
+        # was not taken (a failed full capture ran no kernel; a piecewise one may have run regions before the
+        # failing one, see docs/graph.md Limitations), so the next runner takes this call's step.
         next_mode = "piecewise" if self.mode == "full" and self.report.partition.num_capturable else "eager"
         self.report.fallbacks.append(f"{self.mode} -> {next_mode}: {exc}")
         logger.warning("graphsafe.graph: %s capture failed, falling back to %s: %s", self.mode, next_mode, exc)
@@ -168,6 +177,18 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimiz
     """
     return CompiledStep(model, loss_fn, optimizer, mode, num_model_inputs=num_model_inputs,
                         warmup_steps=warmup_steps, example_batch=example_batch)
+
+
+def _optimizer_not_capturable(optimizer: torch.optim.Optimizer) -> str:
+    """Why optimizer.step() cannot be captured in a CUDA graph ("" if it can). graphsafe's optimizers keep lr
+    and step on the device; torch.optim's need capturable=True in every param group."""
+    if isinstance(optimizer, GraphsafeOptimizer):
+        return ""
+    groups = [g for g in optimizer.param_groups if not g.get("capturable", False)]
+    if groups:
+        return (f"{type(optimizer).__name__} has {len(groups)} param group(s) without capturable=True "
+                "(torch.optim reads lr and step on the host then); use a graphsafe optimizer or capturable=True")
+    return ""
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

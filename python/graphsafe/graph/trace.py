@@ -108,6 +108,8 @@ def trace_function(fn: Callable[..., Any], *example_args: Tensor) -> GraphModule
     """make_fx in fake mode, with the failure modes a user meets explained."""
     try:
         return _views_as_reshapes(make_fx(fn, tracing_mode="fake")(*example_args))
+    except TraceError:
+        raise
     except Exception as exc:  # noqa: BLE001 - re-raised with an explanation, original chained
         text = str(exc)
         if "data-dependent" in text or "GuardOnDataDependentSymNode" in type(exc).__name__ or "DataDependent" in type(exc).__name__:
@@ -142,11 +144,30 @@ def trace_training_step(
     buffers = [b for _, b in named_buffers]
     num_params, num_buffers = len(params), len(buffers)
     has_grad: list[bool] = []  # filled while tracing: which parameters the loss reaches
+    traced_buffers: dict[str, Tensor] = {}  # the buffer tensors of the call being traced
+
+    def refuse_reassigned_buffers(module, args, output):
+        # functional_call swaps the traced tensors in for the forward and puts the module's own back afterwards,
+        # so a buffer *reassigned* in forward (self.n = self.n + 1) would be silently dropped; in-place updates
+        # (self.n.add_(1)) are ops of the graph and are kept.
+        changed = [n for n, b in traced_buffers.items() if model.get_buffer(n) is not b]
+        if changed:
+            raise TraceError(
+                f"graphsafe could not trace the step: forward assigns a new tensor to buffer(s) {', '.join(changed)}; "
+                "the traced step would drop that update. Update the buffer in place instead (e.g. "
+                "`self.count.add_(1)` or `self.stat.copy_(new)`), as nn.BatchNorm does.")
+        return output
 
     def step(*flat: Tensor):
         p_in, b_in, batch_in = flat[:num_params], flat[num_params:num_params + num_buffers], flat[num_params + num_buffers:]
         state = dict(zip(param_names, p_in)) | dict(zip(buffer_names, b_in))
-        output = torch.func.functional_call(model, state, tuple(batch_in[:num_model_inputs]))
+        traced_buffers.clear()
+        traced_buffers.update((n, b) for n, b in zip(buffer_names[len(frozen):], b_in[len(frozen):]))
+        hook = model.register_forward_hook(refuse_reassigned_buffers)
+        try:
+            output = torch.func.functional_call(model, state, tuple(batch_in[:num_model_inputs]))
+        finally:
+            hook.remove()
         loss = loss_fn(output, *batch_in[num_model_inputs:])
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError(f"loss_fn must return a floating-point tensor with one element, got {_describe(loss)}")

@@ -176,11 +176,16 @@ TEST(OptimKernelsEmulated, MatchTheCpuBackend) {
       EXPECT_EQ(compare<float>(o, 40, 3, seed, DType::Float32), 0) << "fp32, algorithm " << algorithm;
       EXPECT_EQ(compare<bf16_t>(o, 36, 2, seed + 1, DType::BFloat16), 0) << "bf16, algorithm " << algorithm;
       EXPECT_EQ(compare<f16_t>(o, 6, 2, seed + 2, DType::Float16), 0) << "fp16, algorithm " << algorithm;
-      const int block_size = 32 << (2 * (algorithm % 3));  // 32, 128, 512
+      // fp32 params cycle through block sizes 32 (4 threads per block) to 512 (groups across warps), 256 being
+      // one warp, the widest group without a barrier; bf16 takes 1024, fp16 256.
+      const int kBlockSizes[] = {32, 64, 128, 256, 512};
+      const int block_size = kBlockSizes[(algorithm + 2 * skip_zeros) % 5];
       EXPECT_EQ(compare<float>(o, 12, 2, seed + 3, DType::Float32, 8, block_size), 0)
           << "8-bit fp32, algorithm " << algorithm << " block " << block_size;
       EXPECT_EQ(compare<bf16_t>(o, 8, 2, seed + 4, DType::BFloat16, 8, 1024), 0)
           << "8-bit bf16, algorithm " << algorithm;
+      EXPECT_EQ(compare<f16_t>(o, 6, 2, seed + 5, DType::Float16, 8, 256), 0)
+          << "8-bit fp16, algorithm " << algorithm;
     }
   }
 }
