@@ -917,6 +917,24 @@ def test_8bit_codes_without_their_scales_are_rejected_on_load():
 
 
 @pytest.mark.parametrize("state_bits", [32, 8])
+def test_a_checkpoint_missing_a_moment_is_rejected_on_load(state_bits):
+    """A saved Adam state without exp_avg_sq is an incomplete checkpoint: a clear error, not a restart of the
+    second moment from zeros at step 1000."""
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = go.Adam([p], state_bits=state_bits)
+    p.grad = torch.randn(5000)
+    opt.step()
+    sd = opt.state_dict()
+    for key in [k for k in sd["state"][0] if k.startswith("exp_avg_sq")]:
+        del sd["state"][0][key]
+    q = torch.nn.Parameter(p.detach().clone())
+    fresh = go.Adam([q], lr=0.5, state_bits=state_bits)
+    with pytest.raises(ValueError, match="has no 'exp_avg_sq'"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state and float(fresh.param_groups[0]["lr"]) == 0.5, "a rejected load changed the optimizer"
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
 def test_changed_options_with_the_same_number_of_states_convert(state_bits):
     """RMSprop centered -> momentum keeps the state count but changes the names: the next step builds the
     missing state instead of failing with a KeyError."""

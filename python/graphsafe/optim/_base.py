@@ -126,7 +126,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         """Whether p keeps 8-bit states: state_bits=8 and at least min_8bit_size elements."""
         return group["state_bits"] == 8 and p.numel() >= group["min_8bit_size"]
 
-    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str], eight: bool) -> dict[str, Any]:
+    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str], eight: bool,
+                  loading: bool = False) -> dict[str, Any]:
         """p's state in the form the core needs, created on its first step and converted when the form
         changed (a state_dict of the other kind was loaded, or state_bits / block_size was changed).
 
@@ -134,7 +135,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         codes (uint8, p's shape), '<name>_absmax' (fp32, one per block) and '<name>_qmap' (the 256-value map
         the codes index). A state an option turns on later (e.g. SGD momentum set after the first step)
         starts from its initial value (zeros; torch's SGD would start the buffer as a copy of the gradient,
-        which differs only when dampening != 0)."""
+        which differs only when dampening != 0). A loaded state (loading=True) that lacks one of its
+        algorithm's states is an incomplete checkpoint: ValueError, instead of a silent restart from zeros."""
         state = self.state[p]
         step = state.get("step", 0.0)
         if not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device == p.device and step.dim() == 0):
@@ -148,6 +150,11 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 continue
             value = _state_as_fp32(state, name, p, type(self).__name__)
             if value is None:
+                if loading:
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: the saved state of a parameter of shape {tuple(p.shape)} "
+                        f"has no '{name}' (it has {sorted(state)}); {type(self).__name__} with the saved options keeps "
+                        f"{names}")
                 value = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
             if eight:
                 codes, absmax = ops.quantize_blockwise(value, block_size, signed)
@@ -322,8 +329,13 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             for key in _STORAGE_OPTIONS:
                 new[key] = group[key]
             groups.append(new)
+        before = {"state": self.state, "param_groups": self.param_groups}
         self.__setstate__({"state": state, "param_groups": groups})
-        self._conform_loaded_state()
+        try:
+            self._conform_loaded_state()
+        except Exception:
+            self.__setstate__(before)  # a rejected checkpoint leaves the optimizer as it was
+            raise
 
     def _conform_loaded_state(self) -> None:
         """The core writes states through raw addresses, so every loaded state is brought into the form
@@ -334,7 +346,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             names = self._state_names(group)
             for p in group["params"]:
                 if self.state.get(p):
-                    self._state_of(group, p, names, self._is_8bit(group, p))
+                    self._state_of(group, p, names, self._is_8bit(group, p), loading=True)
 
 
 def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any) -> None:
