@@ -195,24 +195,40 @@ GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float 
   else static_assert(A == OptimAlgorithm::AdEMAMix, "LAMB and LARS use the layer-wise rules below");
 }
 
+GS_HD constexpr bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
+
+// The one switch over algorithms: calls f(AlgorithmTag<a>{}), so f can pick a rule at compile time.
+template <OptimAlgorithm A>
+struct AlgorithmTag {
+  static constexpr OptimAlgorithm value = A;
+};
+
+template <class F>
+GS_HD void with_algorithm(OptimAlgorithm a, F&& f) {
+  using A = OptimAlgorithm;
+  switch (a) {
+    case A::Adam: f(AlgorithmTag<A::Adam>{}); break;
+    case A::AdamW: f(AlgorithmTag<A::AdamW>{}); break;
+    case A::SGD: f(AlgorithmTag<A::SGD>{}); break;
+    case A::RMSprop: f(AlgorithmTag<A::RMSprop>{}); break;
+    case A::Adagrad: f(AlgorithmTag<A::Adagrad>{}); break;
+    case A::Lion: f(AlgorithmTag<A::Lion>{}); break;
+    case A::LAMB: f(AlgorithmTag<A::LAMB>{}); break;
+    case A::LARS: f(AlgorithmTag<A::LARS>{}); break;
+    case A::AdEMAMix: f(AlgorithmTag<A::AdEMAMix>{}); break;
+  }
+}
+
 // Any element-wise algorithm, chosen per element at run time. The fp32-state kernels use this form: they are
 // memory-bound, and the switch keeps them at 46 registers (5 blocks per SM); with one algorithm inlined per
 // loop they took 60-80 registers and AdamW at 64M parameters went from 0.50 to 0.73 ms on the H200.
 GS_HD void elementwise_step(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (skipped(o, g)) return;
-  switch (o.algorithm) {
-    case OptimAlgorithm::Adam: elementwise_rule<OptimAlgorithm::Adam>(o, k, g, p, s); break;
-    case OptimAlgorithm::AdamW: elementwise_rule<OptimAlgorithm::AdamW>(o, k, g, p, s); break;
-    case OptimAlgorithm::SGD: elementwise_rule<OptimAlgorithm::SGD>(o, k, g, p, s); break;
-    case OptimAlgorithm::RMSprop: elementwise_rule<OptimAlgorithm::RMSprop>(o, k, g, p, s); break;
-    case OptimAlgorithm::Adagrad: elementwise_rule<OptimAlgorithm::Adagrad>(o, k, g, p, s); break;
-    case OptimAlgorithm::Lion: elementwise_rule<OptimAlgorithm::Lion>(o, k, g, p, s); break;
-    case OptimAlgorithm::AdEMAMix: elementwise_rule<OptimAlgorithm::AdEMAMix>(o, k, g, p, s); break;
-    default: break;  // LAMB and LARS use the layer-wise rules below
-  }
+  with_algorithm(o.algorithm, [&](auto algorithm) {
+    constexpr OptimAlgorithm A = decltype(algorithm)::value;
+    if constexpr (!is_layerwise(A)) elementwise_rule<A>(o, k, g, p, s);  // LAMB, LARS: layer-wise rules below
+  });
 }
-
-GS_HD bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
 
 // ---- Layer-wise rules: pass 1 gathers squared norms per tensor, pass 2 applies the update. ----
 
@@ -278,35 +294,35 @@ GS_HD void layerwise_apply(const OptimOptions& o, const Coefficients& k, float f
   }
 }
 
-// The algorithms that keep a given number of states (optim_state_count): a kernel instantiated for States
-// states dispatches only among these, each with its own element loop. f receives AlgorithmTag<A>{}.
-template <OptimAlgorithm A>
-struct AlgorithmTag {
-  static constexpr OptimAlgorithm value = A;
-};
+// Whether algorithm a can keep `states` states (optim_state_count, over its options).
+GS_HD constexpr bool can_keep_states(OptimAlgorithm a, int states) {
+  switch (a) {
+    case OptimAlgorithm::Adam:
+    case OptimAlgorithm::AdamW: return states == 2 || states == 3;  // amsgrad adds one
+    case OptimAlgorithm::SGD: return states <= 1;                      // momentum buffer or none
+    case OptimAlgorithm::RMSprop: return states >= 1;                  // centered and momentum add one each
+    case OptimAlgorithm::LAMB: return states == 2;
+    case OptimAlgorithm::AdEMAMix: return states == 3;
+    default: return states == 1;                                       // Adagrad, Lion, LARS
+  }
+}
 
+// The element-wise (or layer-wise) algorithms that can keep States states: a kernel instantiated for States
+// states dispatches only among these, each with its own element loop. f receives AlgorithmTag<A>{}.
 template <int States, class F>
 GS_HD void with_elementwise_algorithm(OptimAlgorithm a, F&& f) {
-  using A = OptimAlgorithm;
-  switch (a) {
-    case A::Adam: if constexpr (States >= 2) f(AlgorithmTag<A::Adam>{}); break;
-    case A::AdamW: if constexpr (States >= 2) f(AlgorithmTag<A::AdamW>{}); break;
-    case A::SGD: if constexpr (States <= 1) f(AlgorithmTag<A::SGD>{}); break;
-    case A::RMSprop: if constexpr (States >= 1) f(AlgorithmTag<A::RMSprop>{}); break;
-    case A::Adagrad: if constexpr (States == 1) f(AlgorithmTag<A::Adagrad>{}); break;
-    case A::Lion: if constexpr (States == 1) f(AlgorithmTag<A::Lion>{}); break;
-    case A::AdEMAMix: if constexpr (States == 3) f(AlgorithmTag<A::AdEMAMix>{}); break;
-    default: break;
-  }
+  with_algorithm(a, [&](auto algorithm) {
+    constexpr OptimAlgorithm A = decltype(algorithm)::value;
+    if constexpr (!is_layerwise(A) && can_keep_states(A, States)) f(algorithm);
+  });
 }
 
 template <int States, class F>
 GS_HD void with_layerwise_algorithm(OptimAlgorithm a, F&& f) {
-  if constexpr (States == 2) {
-    if (a == OptimAlgorithm::LAMB) f(AlgorithmTag<OptimAlgorithm::LAMB>{});
-  } else if constexpr (States == 1) {
-    if (a == OptimAlgorithm::LARS) f(AlgorithmTag<OptimAlgorithm::LARS>{});
-  }
+  with_algorithm(a, [&](auto algorithm) {
+    constexpr OptimAlgorithm A = decltype(algorithm)::value;
+    if constexpr (is_layerwise(A) && can_keep_states(A, States)) f(algorithm);
+  });
 }
 
 }  // namespace graphsafe::optim_detail
