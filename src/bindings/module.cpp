@@ -56,6 +56,18 @@ void on_device(int device_index, Body&& body) {
 #endif
 }
 
+// Runs `cpu` without the GIL (it may take long and never calls Python) for device type "cpu", or `cuda` with
+// the caller's device current for "cuda".
+template <class Cpu, class Cuda>
+void run_on(const std::string& device_type, int device_index, Cpu&& cpu, Cuda&& cuda) {
+  if (backend_from_name(device_type) == Backend::Cpu) {
+    nb::gil_scoped_release release;
+    cpu();
+    return;
+  }
+  on_device(device_index, cuda);
+}
+
 void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 OptimAlgorithm algorithm_from_name(const std::string& name) {
@@ -131,15 +143,13 @@ NB_MODULE(_C, m) {
         args.num_weights = num_weights;
         args.padding_idx = padding_idx;
         args.scale_grad_by_freq = scale_grad_by_freq;
-        if (backend_from_name(device_type) == Backend::Cpu) {
-          nb::gil_scoped_release release;
-          embedding_backward_dense_cpu(args, as_pointer(out), as_pointer(workspace), workspace_bytes);
-          return;
-        }
-        on_device(device_index, [&] {
-          embedding_backward_dense_cuda(args, as_pointer(out), as_pointer(workspace), workspace_bytes,
-                                        device_error_record(), reinterpret_cast<StreamHandle>(stream));
-        });
+        run_on(
+            device_type, device_index,
+            [&] { embedding_backward_dense_cpu(args, as_pointer(out), as_pointer(workspace), workspace_bytes); },
+            [&] {
+              embedding_backward_dense_cuda(args, as_pointer(out), as_pointer(workspace), workspace_bytes,
+                                            device_error_record(), reinterpret_cast<StreamHandle>(stream));
+            });
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("out"), nb::arg("grad"),
       nb::arg("grad_dtype"), nb::arg("indices"), nb::arg("index_dtype"), nb::arg("num_indices"), nb::arg("dim"),
@@ -159,14 +169,12 @@ NB_MODULE(_C, m) {
         args.num_indices = num_indices;
         args.dim = dim;
         args.num_weights = num_weights;
-        if (backend_from_name(device_type) == Backend::Cpu) {
-          nb::gil_scoped_release release;
-          embedding_lookup_cpu(args, as_pointer(out));
-          return;
-        }
-        on_device(device_index, [&] {
-          embedding_lookup_cuda(args, as_pointer(out), device_error_record(), reinterpret_cast<StreamHandle>(stream));
-        });
+        run_on(
+            device_type, device_index, [&] { embedding_lookup_cpu(args, as_pointer(out)); },
+            [&] {
+              embedding_lookup_cuda(args, as_pointer(out), device_error_record(),
+                                    reinterpret_cast<StreamHandle>(stream));
+            });
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("out"), nb::arg("weight"),
       nb::arg("element_bytes"), nb::arg("indices"), nb::arg("index_dtype"), nb::arg("num_indices"), nb::arg("dim"),
@@ -239,15 +247,15 @@ NB_MODULE(_C, m) {
           tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
           tensors[t].numel = numels[t];
         }
-        if (backend_from_name(device_type) == Backend::Cpu) {
-          nb::gil_scoped_release release;
-          optim_step_cpu(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes);
-          return;
-        }
-        on_device(device_index, [&] {
-          optim_step_cuda(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes,
-                          reinterpret_cast<StreamHandle>(stream));
-        });
+        run_on(
+            device_type, device_index,
+            [&] {
+              optim_step_cpu(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes);
+            },
+            [&] {
+              optim_step_cuda(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes,
+                              reinterpret_cast<StreamHandle>(stream));
+            });
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
       nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"), nb::arg("steps"),
@@ -278,14 +286,11 @@ NB_MODULE(_C, m) {
         auto* in = static_cast<const float*>(as_pointer(x));
         auto* c = static_cast<uint8_t*>(as_pointer(codes));
         auto* a = static_cast<float*>(as_pointer(absmax));
-        if (backend_from_name(device_type) == Backend::Cpu) {
-          nb::gil_scoped_release release;
-          quantize_blockwise_cpu(in, numel, block_size, is_signed, c, a);
-          return;
-        }
-        on_device(device_index, [&] {
-          quantize_blockwise_cuda(in, numel, block_size, is_signed, c, a, reinterpret_cast<StreamHandle>(stream));
-        });
+        run_on(
+            device_type, device_index, [&] { quantize_blockwise_cpu(in, numel, block_size, is_signed, c, a); },
+            [&] {
+              quantize_blockwise_cuda(in, numel, block_size, is_signed, c, a, reinterpret_cast<StreamHandle>(stream));
+            });
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("x"), nb::arg("numel"),
       nb::arg("block_size"), nb::arg("signed"), nb::arg("codes"), nb::arg("absmax"));
@@ -297,14 +302,11 @@ NB_MODULE(_C, m) {
         auto* c = static_cast<const uint8_t*>(as_pointer(codes));
         auto* a = static_cast<const float*>(as_pointer(absmax));
         auto* o = static_cast<float*>(as_pointer(out));
-        if (backend_from_name(device_type) == Backend::Cpu) {
-          nb::gil_scoped_release release;
-          dequantize_blockwise_cpu(c, a, numel, block_size, is_signed, o);
-          return;
-        }
-        on_device(device_index, [&] {
-          dequantize_blockwise_cuda(c, a, numel, block_size, is_signed, o, reinterpret_cast<StreamHandle>(stream));
-        });
+        run_on(
+            device_type, device_index, [&] { dequantize_blockwise_cpu(c, a, numel, block_size, is_signed, o); },
+            [&] {
+              dequantize_blockwise_cuda(c, a, numel, block_size, is_signed, o, reinterpret_cast<StreamHandle>(stream));
+            });
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("codes"), nb::arg("absmax"),
       nb::arg("numel"), nb::arg("block_size"), nb::arg("signed"), nb::arg("out"));

@@ -17,6 +17,7 @@ What lives here:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 
@@ -369,3 +370,13 @@ def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float
         where = bad.nonzero()[:5].tolist()
         details = ", ".join(f"{tuple(w)}: {a[tuple(w)].item()!r} vs {e[tuple(w)].item()!r}" for w in where)
         raise AssertionError(f"{what}: {int(bad.sum())} element(s) differ by more than {ulps} ulp; first: {details}")
+
+
+def libgomp():
+    """The OpenMP runtime graphsafe's CPU backend links (already loaded), to set its thread count; None if absent."""
+    try:
+        lib = ctypes.CDLL("libgomp.so.1")
+        lib.omp_get_max_threads.restype = ctypes.c_int
+        return lib
+    except OSError:
+        return None

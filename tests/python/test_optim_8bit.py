@@ -38,7 +38,6 @@ What is checked, and against what:
 
 from __future__ import annotations
 
-import ctypes
 import io
 import math
 
@@ -47,7 +46,7 @@ import torch
 
 import graphsafe.ops as ops
 import graphsafe.optim as go
-from conftest import assert_bitwise_equal, make_generator, rel_err
+from conftest import assert_bitwise_equal, libgomp, make_generator, rel_err
 
 # --------------------------------------------------------------------------------------------------------
 # The nine algorithms, with every optional state switched on and weight_decay > 0
@@ -814,19 +813,10 @@ def test_two_identical_8bit_runs_are_bitwise_equal(case):
     assert_same_run(opt_a, params_a, opt_b, params_b, f"{case}: run A vs run B")
 
 
-def _libgomp():
-    try:
-        lib = ctypes.CDLL("libgomp.so.1")  # the OpenMP runtime graphsafe's CPU backend links
-        lib.omp_get_max_threads.restype = ctypes.c_int
-        return lib
-    except OSError:
-        return None
-
-
-@pytest.mark.skipif(_libgomp() is None, reason="libgomp (graphsafe's OpenMP runtime) not found")
+@pytest.mark.skipif(libgomp() is None, reason="libgomp (graphsafe's OpenMP runtime) not found")
 @pytest.mark.parametrize("case", ["AdamW", "LAMB", "LARS"])
 def test_8bit_results_do_not_depend_on_thread_count(case):
-    gomp = _libgomp()
+    gomp = libgomp()
     default = gomp.omp_get_max_threads()
     shapes = ((3 * 4096 + 17,), (100, 50))  # several norm chunks and many quantisation blocks
     try:

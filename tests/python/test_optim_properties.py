@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import io
 
 import pytest
@@ -28,6 +27,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_rel_close,
     clone_params,
+    libgomp,
     make_generator,
     make_params,
     optim_cases,
@@ -285,21 +285,12 @@ def test_two_identical_runs_are_bitwise_equal(case, dtype):
     assert_same_run(opt_a, params_a, opt_b, params_b, f"{case} {dtype} run A vs run B")
 
 
-def _libgomp():
-    try:
-        lib = ctypes.CDLL("libgomp.so.1")  # the OpenMP runtime graphsafe's CPU backend links (already loaded)
-        lib.omp_get_max_threads.restype = ctypes.c_int
-        return lib
-    except OSError:
-        return None
-
-
-@pytest.mark.skipif(_libgomp() is None, reason="libgomp (graphsafe's OpenMP runtime) not found")
+@pytest.mark.skipif(libgomp() is None, reason="libgomp (graphsafe's OpenMP runtime) not found")
 @pytest.mark.parametrize("case", ["LAMB", "LARS", "Adam"])
 def test_results_do_not_depend_on_thread_count(case):
     """The CPU backend splits work over OpenMP threads; LAMB/LARS norms are summed per fixed chunk and the
     chunks in order, so 1 and 3 threads give the same bits (tensors of several chunks)."""
-    gomp = _libgomp()
+    gomp = libgomp()
     default = gomp.omp_get_max_threads()
     shapes = [(3 * 4096 + 17,), (4096,), (100, 50)]
     try:
