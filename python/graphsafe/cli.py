@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train(commands) -> None:
-    from .trainer.run import OPTIMIZERS, SIZES
+    from .trainer.run import MATMUL_PRECISIONS, OPTIMIZERS, SIZES
 
     cpu, cuda = SIZES["cpu"], SIZES["cuda"]
     train = commands.add_parser(
@@ -51,6 +51,9 @@ def _add_train(commands) -> None:
     train.add_argument("--vocab", type=_positive_int, help="lm vocabulary / recsys item count (default 32768)")
     train.add_argument("--dim", type=_positive_int, help="model width")
     train.add_argument("--layers", type=_positive_int, help="lm transformer blocks")
+    train.add_argument("--matmul", choices=MATMUL_PRECISIONS,
+                       help=f"how CUDA runs fp32 matrix products, for every method compared (default "
+                            f"{cuda['matmul']}; tf32 is deterministic too; no effect on the cpu)")
     train.add_argument("--check-determinism", action="store_true",
                        help="train twice from the seed and compare the final parameters bitwise")
     train.add_argument("--compare-torch", action="store_true",
@@ -121,7 +124,7 @@ def _run_train(args: argparse.Namespace) -> int:
     config = default_config(
         str(device), model=args.model, moe=args.moe, optimizer=args.optimizer, lr=args.lr, state_bits=args.state_bits,
         skip_zeros=args.skip_zeros, mode=args.mode, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
-        seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers,
+        seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers, matmul=args.matmul,
         check_determinism=args.check_determinism, compare_torch=args.compare_torch,
     )
     train(config)

@@ -22,7 +22,7 @@ import graphsafe.optim
 from ..graph import compile_step
 from ..trainer.data import LMData
 from ..trainer.models import TransformerLM, lm_loss
-from ..trainer.run import TrainConfig, default_config
+from ..trainer.run import TrainConfig, default_config, matmul_precision
 from .harness import BenchContext, Suite, Target, register_suite
 from .report import first_line, fmt_ms, markdown_table
 from .timing import synchronize, time_function
@@ -60,8 +60,14 @@ def _step_for(method: str, config: TrainConfig, device: torch.device) -> tuple[C
 
 def measure(ctx: BenchContext, method: str) -> dict:
     config = _config(ctx)
+    with matmul_precision(config):
+        return _measure(ctx, method, config)
+
+
+def _measure(ctx: BenchContext, method: str, config: TrainConfig) -> dict:
     record = {"record": "measurement", "suite": "train", "method": method, "vocab": config.vocab, "dim": config.dim,
-              "layers": config.layers, "seq_len": config.seq_len, "batch_size": config.batch_size}
+              "layers": config.layers, "seq_len": config.seq_len, "batch_size": config.batch_size,
+              "matmul": config.matmul if ctx.device.type == "cuda" else "cpu"}
     try:
         data = LMData(config.vocab, config.batch_size, config.seq_len, config.seed, ctx.device)
         batches = [next(data) for _ in range(BATCHES)]
@@ -123,7 +129,7 @@ def render(records: list[dict], ctx: BenchContext) -> str:
         rows.append((r["method"], r["mode"], fmt_ms(r["ms_median"]), fmt_ms(r["wall_ms"]),
                      f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-", ""))
     size = (f"vocab {first['vocab']}, dim {first['dim']}, {first['layers']} layers, batch {first['batch_size']} × "
-            f"seq {first['seq_len']}, AdamW")
+            f"seq {first['seq_len']}, AdamW, fp32 matmuls: {first['matmul']}")
     return "\n\n".join([
         f"## training step: `graphsafe train` default LM ({ctx.describe_device()}; {size})",
         markdown_table(("method", "mode", "ms median", "wall ms/step", "× vs torch (wall)", "note"), rows,

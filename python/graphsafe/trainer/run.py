@@ -8,6 +8,7 @@ state memory and, with --check-determinism, whether two runs end with bitwise id
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import sys
@@ -22,7 +23,7 @@ from ..graph import compile_step
 from .data import LMData, RecsysData
 from .models import MixtureOfExperts, RecsysModel, TransformerLM, lm_loss, recsys_loss
 
-__all__ = ["TrainConfig", "TrainResult", "train", "OPTIMIZERS", "default_config"]
+__all__ = ["TrainConfig", "TrainResult", "train", "OPTIMIZERS", "MATMUL_PRECISIONS", "default_config", "matmul_precision"]
 
 # name -> (class, default options). Learning rates are chosen so the demo's loss falls within 20 steps.
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -37,12 +38,18 @@ OPTIMIZERS: dict[str, tuple[type, dict]] = {
     "ademamix": (optim.AdEMAMix, dict(lr=1e-2)),
 }
 
+# How CUDA runs fp32 matrix products ("tf32": tensor cores with 10-bit mantissa inputs, fp32 accumulation, the
+# usual setting for training on Ampere and later; "ieee": full fp32). Both are deterministic. The setting applies
+# to every method a run compares (compile_step and the PyTorch loop alike) and is restored afterwards.
+MATMUL_PRECISIONS = ("tf32", "ieee")
+
 # Default sizes. The CPU default keeps `graphsafe train --steps 20 --device cpu` well under a minute on two
 # cores with a 32K vocabulary; CUDA runs a larger model by default.
 SIZES = {
-    "cpu": dict(dim=64, layers=2, heads=4, seq_len=32, batch_size=8, steps=30, users=50_000, recsys_batch=512),
+    "cpu": dict(dim=64, layers=2, heads=4, seq_len=32, batch_size=8, steps=30, users=50_000, recsys_batch=512,
+                matmul="ieee"),
     "cuda": dict(dim=256, layers=4, heads=8, seq_len=128, batch_size=32, steps=200, users=1_000_000,
-                 recsys_batch=8192),
+                 recsys_batch=8192, matmul="tf32"),
 }
 
 
@@ -66,6 +73,7 @@ class TrainConfig:
     layers: int = 2
     heads: int = 4
     users: int = 50_000
+    matmul: str = "ieee"  # fp32 matrix products on CUDA: "tf32" or "ieee" (no effect on the CPU)
     check_determinism: bool = False
     compare_torch: bool = False
     progress: bool = True
@@ -129,6 +137,22 @@ def _optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
     cls, options = OPTIMIZERS[config.optimizer]
     options = dict(options, **({"lr": config.lr} if config.lr is not None else {}))
     return cls(params, **options, skip_zeros=config.skip_zeros, state_bits=config.state_bits)
+
+
+@contextlib.contextmanager
+def matmul_precision(config: TrainConfig):
+    """Run CUDA fp32 matrix products at config.matmul inside the block; the CPU is left as it is."""
+    if config.matmul not in MATMUL_PRECISIONS:
+        raise SystemExit(f"graphsafe train: unknown matmul precision {config.matmul!r} (tf32 or ieee)")
+    if not config.device.startswith("cuda"):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before, matmul.fp32_precision = matmul.fp32_precision, config.matmul
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
 
 
 def _synchronize(device: torch.device) -> None:
@@ -209,9 +233,15 @@ def train(config: TrainConfig) -> TrainResult:
     if config.optimizer not in OPTIMIZERS:
         raise SystemExit(f"graphsafe train: unknown optimizer {config.optimizer!r}")
     device = torch.device(config.device)
-    print(f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {device}, {config.optimizer}"
+    matmul = f", {config.matmul} matmuls" if device.type == "cuda" else ""
+    print(f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {device}{matmul}, {config.optimizer}"
           f" (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}), mode={config.mode}, "
           f"{config.steps} steps, seed {config.seed}", flush=True)
+    with matmul_precision(config):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> TrainResult:
     result = _graph_run(config, _Progress(config.steps) if config.progress else None)
     step = result.step
     warm = getattr(step, "warmup_steps", 0) + 1
@@ -248,7 +278,8 @@ def summary(result: TrainResult, warm: int) -> str:
 
     config, stats, step, extra = result.config, result.stats, result.step, result.extra
     report = step.report
-    rows = [("model", extra["model"]), ("data", extra["data"]), ("device", config.device)]
+    device = config.device + (f" (fp32 matmuls: {config.matmul})" if config.device.startswith("cuda") else "")
+    rows = [("model", extra["model"]), ("data", extra["data"]), ("device", device)]
     rows.append(("mode used", f"{step.mode}{' (captured)' if step.captured else ''}: {report.decision}"))
     rows += [("fallback", f) for f in report.fallbacks]
     rewrites = report.rewrite.rewritten
