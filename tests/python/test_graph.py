@@ -579,3 +579,24 @@ def test_train_cli_variants_with_determinism_check(capsys, args):
     out = capsys.readouterr().out
     assert "determinism" in out and "bitwise equal" in out
     assert len(_losses(out)) >= 4
+
+
+def test_train_matmul_precision_is_scoped_to_cuda_runs():
+    """--matmul sets CUDA's fp32 matmul precision for the run only and never touches a CPU run."""
+    from graphsafe.trainer import default_config
+    from graphsafe.trainer.run import matmul_precision
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    assert default_config("cuda").matmul == "tf32" and default_config("cpu").matmul == "ieee"
+    with matmul_precision(default_config("cuda:0", matmul="tf32")):
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError), matmul_precision(default_config("cuda", matmul="ieee")):
+        assert matmul.fp32_precision == "ieee"
+        raise RuntimeError("a failed run still restores the setting")
+    assert matmul.fp32_precision == before
+    with matmul_precision(default_config("cpu", matmul="tf32")):
+        assert matmul.fp32_precision == before
+    with pytest.raises(SystemExit, match="unknown matmul precision"), matmul_precision(default_config("cuda", matmul="bf16")):
+        pass
