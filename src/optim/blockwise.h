@@ -22,20 +22,27 @@ namespace graphsafe::optim_detail {
 // |x| in [2^-23, 1) falls in one of kBuckets buckets: its float's exponent and top 7 mantissa bits. A
 // bucket is narrower than the smallest gap between two neighbouring decision points of either map (the
 // table check below proves it), so within one bucket the nearest-value code takes at most two values.
+// Two more table entries hold the magnitudes outside that range, so that finding a code takes no branch:
+// entry 0 all |x| below 2^-23 (their code is that of 0), entry kBuckets + 1 all |x| >= 1 (they clamp to
+// the ends of the map).
 inline constexpr int kBucketMantissaBits = 7;
 inline constexpr int kSmallestBucketExponent = -23;  // |x| below 2^-23 always gets the code of 0
 inline constexpr int kBuckets = -kSmallestBucketExponent << kBucketMantissaBits;
+inline constexpr int kTableEntries = kBuckets + 2;  // below the buckets, the buckets, at or above 1
 inline constexpr uint32_t kFirstBucketBits = static_cast<uint32_t>(127 + kSmallestBucketExponent) << 23;
 inline constexpr float kSmallestBucketValue = 1.0f / 8388608.0f;  // 2^-23
 
 struct QuantizationMap {
-  float value[256];                  // strictly increasing
-  uint8_t lower_code[2][kBuckets];   // per bucket of |x|: [0] for x > 0, [1] for x < 0, the smaller code there
+  float value[256];                       // strictly increasing
+  uint8_t lower_code[2][kTableEntries];   // per table entry of |x|: [0] for x >= 0, [1] for x < 0, the smaller code there
 };
 
-// The bucket of a magnitude in [2^-23, 1).
-GS_HD int bucket_of(float magnitude) {
-  return static_cast<int>((float_bits(magnitude) - kFirstBucketBits) >> (23 - kBucketMantissaBits));
+// The table entry of a magnitude (NaN included: it lands at or above 1): the bucket number + 1 in [2^-23, 1),
+// 0 below, kBuckets + 1 at or above 1.
+GS_HD int table_entry(float magnitude) {
+  const int bucket = (static_cast<int>(float_bits(magnitude)) - static_cast<int>(kFirstBucketBits)) >> (23 - kBucketMantissaBits);
+  const int entry = bucket + 1;  // the shift rounds toward minus infinity: every magnitude below 2^-23 gives <= 0
+  return entry < 0 ? 0 : (entry > kBuckets + 1 ? kBuckets + 1 : entry);
 }
 
 constexpr int kLevelsPerDecade(bool is_signed, int decade) { return 1 << ((is_signed ? 6 : 7) - decade); }
@@ -112,9 +119,14 @@ constexpr QuantizationMap make_quantization_map(bool is_signed) {
   for (int i = 0; i < count; ++i) m.value[k++] = positive[i];
   m.value[k++] = 1.0f;
   for (int b = 0; b < kBuckets; ++b) {
-    m.lower_code[0][b] = reference_code(m.value, is_signed, bucket_low(b));
-    m.lower_code[1][b] = reference_code(m.value, is_signed, -bucket_high(b));
+    m.lower_code[0][b + 1] = reference_code(m.value, is_signed, bucket_low(b));
+    m.lower_code[1][b + 1] = reference_code(m.value, is_signed, -bucket_high(b));
   }
+  // Below the buckets the code is that of 0, and 0 is the nearer of it and the next code for either sign;
+  // at or above 1 (in magnitude) the end codes, 255 or 0, are the nearer of 254/255 and 0/1.
+  m.lower_code[0][0] = m.lower_code[1][0] = static_cast<uint8_t>(zero_code(is_signed));
+  m.lower_code[0][kBuckets + 1] = 254;
+  m.lower_code[1][kBuckets + 1] = 0;
   return m;
 }
 
@@ -125,6 +137,10 @@ constexpr bool buckets_hold_one_change(const QuantizationMap& m, bool is_signed)
   const float below_first = static_cast<float>(power_of_two(kSmallestBucketExponent) - power_of_two(kSmallestBucketExponent - 24));
   if (reference_code(m.value, is_signed, below_first) != zero_code(is_signed)) return false;
   if (reference_code(m.value, is_signed, -below_first) != zero_code(is_signed)) return false;
+  // Entry 0 (|x| < 2^-23, code of 0): the next code's value is more than twice 2^-23 away from 0, so 0 is
+  // the nearer for either sign. Entry kBuckets + 1 (|x| >= 1): 1 and -1 are map values, so the end is nearer.
+  if (!(m.value[zero_code(is_signed) + 1] > 2.0f * kSmallestBucketValue)) return false;
+  if (m.value[255] != 1.0f || (is_signed && m.value[0] != -1.0f)) return false;
   for (int b = 0; b < kBuckets; ++b) {
     const int positive_low = reference_code(m.value, is_signed, bucket_low(b));
     const int positive_high = reference_code(m.value, is_signed, bucket_high(b));
@@ -158,19 +174,17 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   }
 }
 
-// reference_code's code of x, found in constant time: the bucket of |x| names the smaller of the (at most)
-// two codes its floats get, and the same nearest-value comparison as reference_code picks between them.
+// reference_code's code of x, found in constant time and without branches (the 8-bit kernels are
+// instruction-bound): the table entry of |x| names the smaller of the (at most) two codes its floats get, and
+// the same nearest-value comparison as reference_code picks between them, an exact tie toward zero. NaN gives
+// the code of 0.
 GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
-  if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
-  if (x >= 1.0f) return 255;
-  if (x <= -1.0f) return 0;
-  const float magnitude = x < 0.0f ? -x : x;
-  if (magnitude < kSmallestBucketValue) return static_cast<uint8_t>(zero_code(is_signed));
-  const int code = m.lower_code[x < 0.0f ? 1 : 0][bucket_of(magnitude)];
+  const float magnitude = bits_float(float_bits(x) & 0x7fffffffu);
+  const int code = m.lower_code[float_bits(x) >> 31][table_entry(magnitude)];
   const float above = m.value[code + 1] - x, below = x - m.value[code];
-  if (above < below) return static_cast<uint8_t>(code + 1);
-  if (below < above) return static_cast<uint8_t>(code);
-  return static_cast<uint8_t>(code >= zero_code(is_signed) ? code : code + 1);  // tie: toward zero
+  // (| and & rather than || and &&: no branch)
+  const int up = int(above < below) | (int(!(below < above)) & int(code < zero_code(is_signed)));
+  return static_cast<uint8_t>(x == x ? code + up : zero_code(is_signed));
 }
 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
@@ -179,21 +193,26 @@ inline constexpr float kLargestFloat = 3.40282347e+38f;
 GS_HD float finite_value(float v) { return v > kLargestFloat ? kLargestFloat : (v < -kLargestFloat ? -kLargestFloat : v); }
 
 // A block's scale is the largest |value| (at most FLT_MAX), or, if any value is NaN, one canonical NaN
-// (the same bits on both backends, whatever NaN the arithmetic made). Magnitudes and that NaN order as
-// their bit patterns do (the NaN above all), so combining two is one unsigned max, in any order.
+// (the same bits on both backends, whatever NaN the arithmetic made). It is gathered over raw magnitudes,
+// the values' bits with the sign cleared: those order as their bit patterns do (NaN above inf above every
+// finite value), so gathering is one unsigned max per value, in any order; absmax_finish then turns a NaN into
+// the canonical one and inf into FLT_MAX.
 inline constexpr uint32_t kCanonicalNaNBits = 0x7fffffffu;
+inline constexpr uint32_t kInfinityBits = 0x7f800000u;
 
-GS_HD float absmax_magnitude(float value) {
-  const float magnitude = bits_float(float_bits(finite_value(value)) & 0x7fffffffu);
-  return magnitude == magnitude ? magnitude : bits_float(kCanonicalNaNBits);
-}
-
-GS_HD float absmax_combine(float a, float b) {  // both from absmax_magnitude (or 0)
+GS_HD float absmax_combine(float a, float b) {  // two raw magnitudes (or 0)
   const uint32_t x = float_bits(a), y = float_bits(b);
   return bits_float(x > y ? x : y);
 }
 
-GS_HD float absmax_step(float running, float value) { return absmax_combine(running, absmax_magnitude(value)); }
+GS_HD float absmax_step(float running, float value) {
+  return absmax_combine(running, bits_float(float_bits(value) & 0x7fffffffu));
+}
+
+GS_HD float absmax_finish(float raw) {
+  const uint32_t bits = float_bits(raw);
+  return bits > kInfinityBits ? bits_float(kCanonicalNaNBits) : (bits == kInfinityBits ? kLargestFloat : raw);
+}
 
 // The quantiser's input, value / absmax, is computed as value * (1 / absmax): a multiply per element instead
 // of a division (the 8-bit kernels are instruction-bound), at the cost of one more rounding. A subnormal

@@ -86,6 +86,7 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
     const bool is_signed = state_is_signed(o, j);
     float scale = 0.0f;
     for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, values[j][i - begin]);
+    scale = absmax_finish(scale);
     t.absmax[j][b] = scale;
     const QuantizationMap& map = host_quantization_map(is_signed);
     const BlockScale block = block_scale(scale);
@@ -219,6 +220,7 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
     const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
     float scale = 0.0f;
     for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
+    scale = absmax_finish(scale);
     absmax[b] = scale;
     const BlockScale block = block_scale(scale);
     for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], block));

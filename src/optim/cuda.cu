@@ -209,7 +209,7 @@ __device__ const QuantizationMap* load_maps_to_shared() {
 // Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
 // share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
 // barriers per pass whatever N is (a warp-wide or narrower group needs shuffles only). Every thread of the
-// block calls it; all get their group's results. Values come from absmax_magnitude (or are 0 or 1).
+// block calls it; all get their group's results. Values are raw magnitudes from absmax_step (or 0 or 1).
 template <int N>
 __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThreads / 32]) {
   for (int offset = min(group, 32) / 2; offset > 0; offset /= 2) {
@@ -287,10 +287,12 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
     const int64_t base = pass + int64_t(threadIdx.x) * V;
     const int64_t quant_block = base / block_size;
     const bool full = base + V <= w.end;
+    // How many of the V elements exist: 32-bit compares per element instead of 64-bit ones.
+    const int present = full ? V : (base < w.end ? int(w.end - base) : 0);
     float g[V] = {}, p[V] = {}, s[V][4] = {}, scale[4] = {};
     bool valid[V], updated[V] = {};
 #pragma unroll
-    for (int e = 0; e < V; ++e) valid[e] = base + e < w.end;
+    for (int e = 0; e < V; ++e) valid[e] = e < present;
     Pack<T, V> p_raw{};  // the parameters as loaded: skipped elements are stored back with their own bits
     if (wide && full) {
       const Pack<T, V> g_raw = load_pack<T, V>(grad + base);
@@ -360,7 +362,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
       if (reduced[0] == 0.0f || base >= w.end) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
-        const float new_scale = reduced[1 + j];
+        const float new_scale = absmax_finish(reduced[1 + j]);
         const BlockScale block = block_scale(new_scale);
         const bool is_signed = state_is_signed(o, j);
         const QuantizationMap& map = maps[is_signed ? 1 : 0];
@@ -410,9 +412,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
     share_coefficients(o, lr, table, w.tensor, current, k);
     if constexpr (Bits == 8) {  // instruction-bound: one loop per algorithm, no branch between elements
       with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+        const Coefficients mine = k;  // in registers (the rule's few): not re-read from shared per element
         for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
           if (skipped(o, g)) return false;
-          elementwise_rule<decltype(algorithm)::value>(o, k, g, p, s);
+          elementwise_rule<decltype(algorithm)::value>(o, mine, g, p, s);
           return true;
         });
       });
@@ -636,6 +639,7 @@ __global__ void quantize_kernel(const float* x, int64_t numel, int block_size, b
   const int64_t begin = b * block_size, end = min(numel, begin + block_size);
   float scale = 0.0f;
   for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
+  scale = absmax_finish(scale);
   absmax[b] = scale;
   const QuantizationMap& map = kDeviceMaps[is_signed ? 1 : 0];
   const BlockScale block = block_scale(scale);

@@ -82,15 +82,25 @@ TEST(Quantization, OutOfRangeAndSpecialInputs) {
 }
 
 TEST(Quantization, BlockScaleIsCanonicalNaNSignBlindFiniteAndOrderFree) {
+  // A block's scale: absmax_step over its values, then absmax_finish.
+  const auto scale_of = [](std::initializer_list<float> values) {
+    float raw = 0.0f;
+    for (float v : values) raw = absmax_step(raw, v);
+    return absmax_finish(raw);
+  };
   const float negative_nan = bits_float(0xffc00001u), payload_nan = bits_float(0x7f800123u);
+  const float inf = std::numeric_limits<float>::infinity();
   for (float nan : {negative_nan, payload_nan, std::numeric_limits<float>::quiet_NaN()}) {
-    EXPECT_EQ(float_bits(absmax_step(0.0f, nan)), kCanonicalNaNBits);
-    EXPECT_EQ(float_bits(absmax_step(absmax_step(0.0f, nan), 5.0f)), kCanonicalNaNBits);
-    EXPECT_EQ(float_bits(absmax_step(absmax_step(0.0f, 5.0f), nan)), kCanonicalNaNBits);
+    EXPECT_EQ(float_bits(scale_of({nan})), kCanonicalNaNBits);
+    EXPECT_EQ(float_bits(scale_of({nan, 5.0f})), kCanonicalNaNBits);
+    EXPECT_EQ(float_bits(scale_of({5.0f, nan})), kCanonicalNaNBits);
+    EXPECT_EQ(float_bits(scale_of({inf, nan, -inf})), kCanonicalNaNBits);
   }
-  EXPECT_EQ(float_bits(absmax_step(0.0f, -0.0f)), 0u) << "-0.0 must not become the largest bit pattern";
-  EXPECT_EQ(absmax_step(0.0f, -std::numeric_limits<float>::infinity()), kLargestFloat);
-  EXPECT_EQ(absmax_step(absmax_step(0.0f, -3.0f), 2.0f), 3.0f);
+  EXPECT_EQ(float_bits(scale_of({-0.0f})), 0u) << "-0.0 must not become the largest bit pattern";
+  EXPECT_EQ(scale_of({-inf}), kLargestFloat);
+  EXPECT_EQ(scale_of({2.0f, inf, -1e38f}), kLargestFloat);
+  EXPECT_EQ(scale_of({-kLargestFloat, 1.0f}), kLargestFloat);
+  EXPECT_EQ(scale_of({-3.0f, 2.0f}), 3.0f);
   const std::vector<float> values = {0.5f, -7.25f, 1e-30f, -0.0f, 3.0f, -1e20f, 2e-45f};
   float forward = 0.0f, backward = 0.0f;
   for (size_t i = 0; i < values.size(); ++i) {
@@ -98,7 +108,7 @@ TEST(Quantization, BlockScaleIsCanonicalNaNSignBlindFiniteAndOrderFree) {
     backward = absmax_step(backward, values[values.size() - 1 - i]);
   }
   EXPECT_EQ(float_bits(forward), float_bits(backward));
-  EXPECT_EQ(forward, 1e20f);
+  EXPECT_EQ(absmax_finish(forward), 1e20f);
 }
 
 }  // namespace
