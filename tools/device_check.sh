@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, C++ tests, CUDA pytest files, benchmarks. Logs go to $OUT.
 # The GPU image has no GoogleTest: before the call, here, `mkdir -p .deps && cp -r /usr/src/googletest .deps/`
 # and `echo /.deps/ >> .git/info/exclude`; then run (device tool) `bash tools/device_check.sh <commit>` with
-# carry [".deps"]. PYTEST_FILES, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs.
+# carry [".deps"]. PYTEST_FILES, TRAIN_ARGS, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export GRAPHSAFE_COMMIT=${1:-unknown} PYTHONUNBUFFERED=1
@@ -11,12 +11,20 @@ START=$SECONDS
 TIMEOUT_ARG=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "built in $((SECONDS-START)) s"
+# The C++ tests (their build is CPU work) and the CUDA pytest files run side by side; the benchmark after both.
 (cmake -S . -B build/cpp -G Ninja -DGRAPHSAFE_BUILD_TESTS=ON -DGRAPHSAFE_GTEST_SOURCE_DIR="$PWD/.deps/googletest" \
-  && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$OUT/ctest.log" 2>&1
-echo "ctest: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+  && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$OUT/ctest.log" 2>&1 &
+CTEST=$!
 timeout 330 python3 -m pytest -q -p no:cacheprovider $TIMEOUT_ARG ${PYTEST_FILES:-tests/python/test_embedding_cuda.py tests/python/test_embedding_lookup.py tests/python/test_optim_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
 echo "pytest rc=$? at $((SECONDS-START)) s: $(tail -1 "$OUT/pytest_cuda.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20
+wait $CTEST
+echo "ctest at $((SECONDS-START)) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+# TRAIN_ARGS: also run `graphsafe train` with these arguments (its summary goes to $OUT/train.txt).
+if [ -n "${TRAIN_ARGS:-}" ]; then
+  timeout 200 graphsafe train $TRAIN_ARGS > "$OUT/train.txt" 2>&1
+  echo "train rc=$? at $((SECONDS-START)) s"; grep -E "^\| (mode|step time|loss|determinism|optimizer)" "$OUT/train.txt"
+fi
 # The device tool stops a call at 600 s; the benchmark gets what is left (minus a margin), unless told.
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-$((570-(SECONDS-START)))}
 timeout $BENCH_TIMEOUT python3 -m graphsafe bench ${BENCH_ARGS:-} --json-out "$OUT/bench.jsonl" > "$OUT/bench.txt" 2> "$OUT/bench.err"

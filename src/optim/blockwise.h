@@ -190,7 +190,6 @@ GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
 // its block as 0 * inf = NaN). NaN stays NaN.
 inline constexpr float kLargestFloat = 3.40282347e+38f;
-GS_HD float finite_value(float v) { return v > kLargestFloat ? kLargestFloat : (v < -kLargestFloat ? -kLargestFloat : v); }
 
 // A block's scale is the largest |value| (at most FLT_MAX), or, if any value is NaN, one canonical NaN
 // (the same bits on both backends, whatever NaN the arithmetic made). It is gathered over raw magnitudes,
@@ -234,7 +233,9 @@ GS_HD BlockScale block_scale(float absmax) {
   return b;
 }
 
-GS_HD float normalized(float value, const BlockScale& b) { return (finite_value(value) * b.prescale) * b.inverse; }
+// An infinite value needs no clamping to ±FLT_MAX first: its block's absmax is FLT_MAX (or NaN), so it
+// normalizes to ±inf (or NaN) and gets the end code (or that of 0), as ±FLT_MAX would.
+GS_HD float normalized(float value, const BlockScale& b) { return (value * b.prescale) * b.inverse; }
 
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
 

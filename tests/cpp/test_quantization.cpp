@@ -111,4 +111,20 @@ TEST(Quantization, BlockScaleIsCanonicalNaNSignBlindFiniteAndOrderFree) {
   EXPECT_EQ(absmax_finish(forward), 1e20f);
 }
 
+TEST(Quantization, InfiniteValuesGetTheCodesOfTheLargestFloat) {
+  // normalized() does not clamp ±inf to ±FLT_MAX: the block holding it has absmax FLT_MAX (or NaN), and there
+  // both give the same code.
+  const float inf = std::numeric_limits<float>::infinity();
+  for (bool is_signed : {false, true}) {
+    const QuantizationMap& map = host_quantization_map(is_signed);
+    for (float absmax : {kLargestFloat, bits_float(kCanonicalNaNBits)}) {
+      const BlockScale block = block_scale(absmax);
+      for (float sign : {1.0f, -1.0f})
+        EXPECT_EQ(quantize_value(map, is_signed, normalized(sign * inf, block)),
+                  quantize_value(map, is_signed, normalized(sign * kLargestFloat, block)))
+            << "signed " << is_signed << " absmax " << absmax << " sign " << sign;
+    }
+  }
+}
+
 }  // namespace
