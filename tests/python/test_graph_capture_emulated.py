@@ -153,3 +153,39 @@ def test_auto_falls_back_when_a_capture_fails_and_takes_the_step_once(emulated_c
     assert "host read while capturing" in step.report.fallbacks[0]
     assert step.mode == "piecewise"
     assert any("capture failed, falling back to piecewise" in r.getMessage() for r in caplog.records)
+
+
+class PlantedWithStatistics(Planted):
+    """Planted plus a running statistic updated in place before the host read, as BatchNorm's are."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.register_buffer("running_mean", torch.zeros(()))
+        self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, ids):
+        h = self.tokens(ids)
+        self.running_mean.mul_(0.9).add_(h.detach().mean() * 0.1)
+        self.batches_seen.add_(1)
+        return super().forward(ids) + 0.0 * self.running_mean
+
+
+def test_failed_capture_does_not_apply_buffer_updates_twice(emulated_cuda_graphs):
+    # The emulated full capture runs the ops before the .item() once (a real piecewise capture runs its eager
+    # regions), then fails; the fallback takes the step. The buffers must end as after one eager step each.
+    torch.manual_seed(3)
+    model = PlantedWithStatistics(padding_idx=2)
+    reference = use_graphsafe_embeddings(model)
+    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = graphsafe.optim.AdamW(reference.parameters(), lr=1e-2)
+    _record_optimizer_steps(optimizer)
+    gen = make_generator(6)
+    batches = [make_batch(gen, padding_idx=2) for _ in range(5)]
+    step = graphsafe.compile_step(model, ce_loss, optimizer, example_batch=batches[0])
+    step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
+    step.report.mode = "full"
+    for i, batch in enumerate(batches):
+        assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
+        assert int(model.batches_seen) == int(reference.batches_seen) == i + 1, f"after step {i}"
+        assert torch.equal(model.running_mean, reference.running_mean), f"after step {i}"
+    assert len(step.report.fallbacks) == 1

@@ -131,6 +131,10 @@ class CaptureRunner:
             stream = torch.cuda.current_stream()
             torch.cuda.synchronize()
             grads_before = [p.grad for p in self.traced.grad_params]
+            # A piecewise capture runs its eager regions for real; if a later region's capture fails, an
+            # in-place buffer update they made (BatchNorm statistics) must not count, or the fallback's step
+            # would apply it a second time. Buffers are small: one copy, once per capture.
+            buffers_before = [b.detach().clone() for b in self.traced.buffers]
             try:
                 self._capture_and_run()
             except Exception as exc:
@@ -139,6 +143,9 @@ class CaptureRunner:
                 # The capture set param.grad to tensors of the aborted graph that nothing computed.
                 for p, g in zip(self.traced.grad_params, grads_before):
                     p.grad = g
+                with torch.no_grad():
+                    for b, saved in zip(self.traced.buffers, buffers_before):
+                        b.copy_(saved)
                 raise CaptureError(f"{type(self).__name__}: capture failed: {type(exc).__name__}: {exc}") from exc
             return self.static_loss.clone()
         for static, t in zip(self.static_batch, batch):
