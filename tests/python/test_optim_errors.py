@@ -161,6 +161,24 @@ def test_non_contiguous_parameter_is_rejected(cls):
         cls([param()]).add_param_group(dict(params=[torch.nn.Parameter(torch.randn(4, 6)[:, ::2])]))
 
 
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_parameter_made_non_contiguous_after_construction_fails_the_step_without_changes(cls):
+    """p.data = a transposed view bypasses the constructor's check; the step's own check must catch it
+    (the core writes through the raw address as if the elements were contiguous)."""
+    gen = make_generator(52)
+    (p, other) = make_params([(6, 4), (8,)], torch.float32, gen)
+    opt = cls([p, other])
+    p.data = torch.randn(4, 6, generator=gen).t()
+    assert not p.is_contiguous()
+    p.grad = random_grad((6, 4), torch.float32, gen)
+    other.grad = random_grad((8,), torch.float32, gen)
+    before, other_before = p.detach().clone(), other.detach().clone()
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+    assert_bitwise_equal(p.detach(), before)
+    assert_bitwise_equal(other.detach(), other_before)
+
+
 def test_hyperparameter_made_invalid_after_construction_fails_the_step_without_changes():
     """Options are validated again on every step (a group dict can be edited); a rejected step must leave
     the parameter untouched."""

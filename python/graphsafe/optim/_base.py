@@ -227,6 +227,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             g = p.grad
             if not (g.layout is torch.strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
                 self._reject_grad(p, g)
+            if not p.is_contiguous():  # checked at construction, but p.data can be replaced since
+                raise ValueError(f"{type(self).__name__}: parameters must be contiguous (the step updates them in "
+                                 f"place); a parameter of shape {tuple(p.shape)} has strides {p.stride()}")
             if not g.is_contiguous():
                 g = g.contiguous()
                 contiguous_copies.append(g)
