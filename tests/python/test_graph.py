@@ -582,21 +582,23 @@ def test_train_cli_variants_with_determinism_check(capsys, args):
 
 
 def test_train_matmul_precision_is_scoped_to_cuda_runs():
-    """--matmul sets CUDA's fp32 matmul precision for the run only and never touches a CPU run."""
+    """--matmul sets CUDA's fp32 matmul precision for the run only, keeps torch's precision queries readable
+    meanwhile, and never touches a CPU run."""
     from graphsafe.trainer import default_config
     from graphsafe.trainer.run import matmul_precision
 
     matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
+    before = matmul.allow_tf32
     assert default_config("cuda").matmul == "tf32" and default_config("cpu").matmul == "ieee"
     with matmul_precision(default_config("cuda:0", matmul="tf32")):
-        assert matmul.fp32_precision == "tf32"
-    assert matmul.fp32_precision == before
+        assert matmul.allow_tf32 and matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == "high"
+    assert matmul.allow_tf32 == before
     with pytest.raises(RuntimeError), matmul_precision(default_config("cuda", matmul="ieee")):
-        assert matmul.fp32_precision == "ieee"
+        assert not matmul.allow_tf32 and matmul.fp32_precision == "ieee"
         raise RuntimeError("a failed run still restores the setting")
-    assert matmul.fp32_precision == before
+    assert matmul.allow_tf32 == before
     with matmul_precision(default_config("cpu", matmul="tf32")):
-        assert matmul.fp32_precision == before
+        assert matmul.allow_tf32 == before
     with pytest.raises(SystemExit, match="unknown matmul precision"), matmul_precision(default_config("cuda", matmul="bf16")):
         pass

@@ -189,3 +189,35 @@ def test_failed_capture_does_not_apply_buffer_updates_twice(emulated_cuda_graphs
         assert int(model.batches_seen) == int(reference.batches_seen) == i + 1, f"after step {i}"
         assert torch.equal(model.running_mean, reference.running_mean), f"after step {i}"
     assert len(step.report.fallbacks) == 1
+
+
+def test_written_buffers_are_the_ones_the_graph_updates_in_place():
+    """Only what the graph writes is copied before a capture: BatchNorm's statistics, not a frozen weight or
+    a read-only buffer."""
+    from graphsafe.graph.capture import written_buffers
+    from graphsafe.graph.trace import trace_training_step
+    from test_graph import CLASSES, DIM, VOCAB
+
+    class WithBatchNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = torch.nn.Embedding(VOCAB, DIM)
+            self.norm = torch.nn.BatchNorm1d(DIM)
+            self.frozen = torch.nn.Linear(DIM, DIM)
+            self.frozen.requires_grad_(False)
+            self.register_buffer("scale", torch.ones(DIM))
+            self.register_buffer("seen", torch.zeros(2))
+            self.head = torch.nn.Linear(DIM, CLASSES)
+
+        def forward(self, ids):
+            h = self.tokens(ids)
+            h = self.norm(h.flatten(0, 1)).view_as(h)
+            torch._foreach_add_([self.seen[:1]], 1.0)  # a list argument, through a view
+            return self.head(self.frozen(h) * self.scale)
+
+    torch.manual_seed(4)
+    model = WithBatchNorm()
+    traced = trace_training_step(model, ce_loss, make_batch(make_generator(7)))
+    found = written_buffers(traced, traced.graph_module)
+    expected = [model.norm.running_mean, model.norm.running_var, model.norm.num_batches_tracked, model.seen]
+    assert sorted(map(id, found)) == sorted(map(id, expected))

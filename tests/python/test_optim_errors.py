@@ -179,6 +179,31 @@ def test_parameter_made_non_contiguous_after_construction_fails_the_step_without
     assert_bitwise_equal(other.detach(), other_before)
 
 
+@pytest.mark.parametrize("bad", ["non_contiguous", "sparse_grad", "lr"])
+def test_a_bad_later_group_fails_the_step_before_any_group_is_stepped(bad):
+    """Every (group, device, dtype) bucket is checked before the first is stepped: the first group's parameter
+    and its states stay as they were when the second group is rejected."""
+    gen = make_generator(53)
+    (p, q, r) = make_params([(8,), (6, 4), (5,)], torch.float32, gen)
+    opt = go.AdamW([dict(params=[p]), dict(params=[q, r], lr=1e-2)], lr=1e-3)
+    for t in (p, q, r):
+        t.grad = random_grad(tuple(t.shape), torch.float32, gen)
+    opt.step()  # the states exist
+    if bad == "non_contiguous":
+        q.data = torch.randn(4, 6, generator=gen).t()
+    elif bad == "sparse_grad":
+        r.grad = r.grad.to_sparse()
+    else:
+        opt.param_groups[1]["lr"] = -1.0
+    before = {name: t.detach().clone() for name, t in [("p", p)] + [(k, v) for k, v in opt.state[p].items()
+                                                                     if isinstance(v, torch.Tensor)]}
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.step()
+    assert_bitwise_equal(p.detach(), before.pop("p"))
+    for name, value in before.items():
+        assert_bitwise_equal(opt.state[p][name], value, name)
+
+
 def test_hyperparameter_made_invalid_after_construction_fails_the_step_without_changes():
     """Options are validated again on every step (a group dict can be edited); a rejected step must leave
     the parameter untouched."""

@@ -13,6 +13,7 @@ time per step over a run of steps (what a training loop sees, host overhead incl
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -33,8 +34,9 @@ BATCHES = 8
 
 
 def _config(ctx: BenchContext) -> TrainConfig:
-    """The trainer's default size for the device (its CPU default when quick)."""
-    return default_config("cpu" if ctx.quick else ctx.device.type)
+    """The trainer's default size for the device (its CPU sizes when quick), on the device the bench runs on."""
+    sizes = default_config("cpu" if ctx.quick else ctx.device.type)
+    return replace(sizes, device=str(ctx.device), matmul=default_config(ctx.device.type).matmul)
 
 
 def _step_for(method: str, config: TrainConfig, device: torch.device) -> tuple[Callable, Callable[[], str]]:

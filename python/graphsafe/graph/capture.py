@@ -114,6 +114,7 @@ class CaptureRunner:
                  warmup_steps: int, regions: Sequence[Region] | None = None) -> None:
         self.traced, self.gm, self.optimizer = traced, gm, optimizer
         self.warmup_steps = warmup_steps
+        self.written_buffers = written_buffers(traced, gm)
         self.eager = EagerRunner(traced, gm, optimizer, regions)
         self.calls = 0
         self.pool = None
@@ -131,11 +132,12 @@ class CaptureRunner:
             stream = torch.cuda.current_stream()
             torch.cuda.synchronize()
             grads_before = [p.grad for p in self.traced.grad_params]
-            # A piecewise capture runs its eager regions for real; if a later region's capture fails, an
-            # in-place buffer update they made (BatchNorm statistics) must not count, or the fallback's step
-            # would apply it a second time. Buffers are small: one copy, once per capture.
-            buffers_before = [b.detach().clone() for b in self.traced.buffers]
+            buffers_before: list[Tensor] = []
             try:
+                # A piecewise capture runs its eager regions for real; if a later region's capture fails, an
+                # in-place buffer update they made (BatchNorm statistics) must not count, or the fallback's
+                # step would apply it a second time. So the buffers the graph writes are copied first.
+                buffers_before = [b.detach().clone() for b in self.written_buffers]
                 self._capture_and_run()
             except Exception as exc:
                 _settle_after_failed_capture(stream)
@@ -144,7 +146,7 @@ class CaptureRunner:
                 for p, g in zip(self.traced.grad_params, grads_before):
                     p.grad = g
                 with torch.no_grad():
-                    for b, saved in zip(self.traced.buffers, buffers_before):
+                    for b, saved in zip(self.written_buffers, buffers_before):
                         b.copy_(saved)
                 raise CaptureError(f"{type(self).__name__}: capture failed: {type(exc).__name__}: {exc}") from exc
             return self.static_loss.clone()
@@ -260,3 +262,43 @@ def _placeholder_names(gm: torch.fx.GraphModule) -> list[str]:
 def _output_names(gm: torch.fx.GraphModule) -> list[str]:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return [n.name for n in output.args[0]]
+
+
+# Ops that update their running statistics in place although their schemas do not mark those arguments as
+# written (their running_mean and running_var, arguments 3 and 4, in training mode).
+_UNMARKED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4), torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+                    torch.ops.aten.miopen_batch_norm.default: (3, 4)}
+
+
+def written_buffers(traced: TracedStep, gm: torch.fx.GraphModule) -> list[Tensor]:
+    """The buffers (and frozen parameters) that the graph writes in place, directly or through a view: an op
+    whose schema marks an argument as written (or one of _UNMARKED_WRITES), on a graph input or a view of one."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = len(traced.params)
+    index = {node: k - first for k, node in enumerate(placeholders) if first <= k < first + len(traced.buffers)}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        positions = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        for position in positions + list(_UNMARKED_WRITES.get(node.target, ())):
+            name = schema.arguments[position].name
+            value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
+            for item in value if isinstance(value, (list, tuple)) else (value,):  # Tensor(a!)[] too
+                root = _view_root(item)
+                if isinstance(root, torch.fx.Node) and root in index:
+                    written.add(index[root])
+    return [traced.buffers[k] for k in sorted(written)]
+
+
+def _view_root(value: Any) -> Any:
+    """The value whose memory `value` is (the value itself when it is not a view or an in-place op's result):
+    an op whose first result aliases an argument (a view, or an in-place op returning its input) is followed
+    to its first argument."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function" and value.args:
+        schema = getattr(value.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        value = value.args[0]
+    return value

@@ -192,16 +192,24 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        pending: list[Callable[[], None]] = []
         for group in self.param_groups:
             buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is not None:
                     buckets[(p.device, p.dtype)].append(p)
             for (device, dtype), params in buckets.items():
-                self._step_bucket(group, device, dtype, params)
+                pending.append(self._prepare_bucket(group, device, dtype, params))
+        # Every bucket of every group is checked before the first one is stepped: a step that raises leaves
+        # all parameters and their existing states as they were.
+        for issue in pending:
+            issue()
         return loss
 
-    def _step_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, params: list[Tensor]) -> None:
+    def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                        params: list[Tensor]) -> Callable[[], None]:
+        """Checks one (device, dtype) bucket of a group and gathers what the core needs; returns the function
+        that steps it."""
         options = self._core_options(group)
         # Validated before anything changes (a rejected step changes nothing); once per group while its
         # options stay the same. The entry holds the group itself, so its id cannot be reused meanwhile.
@@ -255,33 +263,40 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if not isinstance(lr, Tensor) and float(lr) < 0.0:
                 raise ValueError(f"Invalid learning rate: {lr}")
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        for bits, (param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels) in calls.items():
-            if not param_ptrs:
-                continue
-            workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
-                               if self.algorithm in _NEEDS_WORKSPACE else 0)
-            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-            _C.optim_step(
-                device.type,
-                device.index or 0,
-                stream,
-                self.algorithm,
-                options,
-                _dtype_name(dtype),
-                lr.data_ptr(),
-                param_ptrs,
-                grad_ptrs,
-                state_ptrs,
-                step_ptrs,
-                numels,
-                workspace.data_ptr() if workspace is not None else 0,
-                workspace_bytes,
-                increment_steps=True,  # the core adds 1 to every step first (one launch on CUDA)
-                state_bits=bits,
-                block_size=group["block_size"],
-                absmax=absmax_ptrs,
-            )
+
+        def issue() -> None:
+            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+            for bits, (param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels) in calls.items():
+                if not param_ptrs:
+                    continue
+                workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
+                                   if self.algorithm in _NEEDS_WORKSPACE else 0)
+                workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
+                _C.optim_step(
+                    device.type,
+                    device.index or 0,
+                    stream,
+                    self.algorithm,
+                    options,
+                    _dtype_name(dtype),
+                    lr.data_ptr(),
+                    param_ptrs,
+                    grad_ptrs,
+                    state_ptrs,
+                    step_ptrs,
+                    numels,
+                    workspace.data_ptr() if workspace is not None else 0,
+                    workspace_bytes,
+                    increment_steps=True,  # the core adds 1 to every step first (one launch on CUDA)
+                    state_bits=bits,
+                    block_size=group["block_size"],
+                    absmax=absmax_ptrs,
+                )
+            # The gradients' contiguous copies were read through raw addresses: this reference keeps them alive
+            # until here (a closure holds only the names it uses).
+            contiguous_copies.clear()
+
+        return issue
 
     # ---- persistence ----
 

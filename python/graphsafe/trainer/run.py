@@ -73,7 +73,7 @@ class TrainConfig:
     layers: int = 2
     heads: int = 4
     users: int = 50_000
-    matmul: str = "ieee"  # fp32 matrix products on CUDA: "tf32" or "ieee" (no effect on the CPU)
+    matmul: str = "tf32"  # fp32 matrix products on CUDA: "tf32" or "ieee" (no effect on the CPU)
     check_determinism: bool = False
     compare_torch: bool = False
     progress: bool = True
@@ -141,18 +141,26 @@ def _optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
 
 @contextlib.contextmanager
 def matmul_precision(config: TrainConfig):
-    """Run CUDA fp32 matrix products at config.matmul inside the block; the CPU is left as it is."""
+    """Run CUDA fp32 matrix products at config.matmul inside the block; the CPU is left as it is.
+
+    Set through torch's older flag (torch.backends.cuda.matmul.allow_tf32), which keeps every precision query
+    of torch readable meanwhile (setting the newer fp32_precision makes torch.get_float32_matmul_precision()
+    raise); if the caller uses the newer flag already, so does this. Restored on the way out."""
     if config.matmul not in MATMUL_PRECISIONS:
         raise SystemExit(f"graphsafe train: unknown matmul precision {config.matmul!r} (tf32 or ieee)")
     if not config.device.startswith("cuda"):
         yield
         return
     matmul = torch.backends.cuda.matmul
-    before, matmul.fp32_precision = matmul.fp32_precision, config.matmul
+    try:
+        flag, before, value = "allow_tf32", matmul.allow_tf32, config.matmul == "tf32"
+    except RuntimeError:  # torch refuses the older flag once the newer one was set
+        flag, before, value = "fp32_precision", matmul.fp32_precision, config.matmul
+    setattr(matmul, flag, value)
     try:
         yield
     finally:
-        matmul.fp32_precision = before
+        setattr(matmul, flag, before)
 
 
 def _synchronize(device: torch.device) -> None:
