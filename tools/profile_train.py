@@ -12,29 +12,15 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import graphsafe.optim
-from graphsafe.graph import compile_step
+from graphsafe.bench.train import step_for
 from graphsafe.trainer.data import LMData
-from graphsafe.trainer.models import TransformerLM, lm_loss
 from graphsafe.trainer.run import default_config, matmul_precision
 
 
 def steps_for(config, device):
-    torch.manual_seed(0)
-    model = TransformerLM(config.vocab, config.dim, config.layers, config.heads, config.seq_len).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-
-    def torch_step(ids, targets):
-        loss = lm_loss(model(ids), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    torch.manual_seed(0)
-    ours = TransformerLM(config.vocab, config.dim, config.layers, config.heads, config.seq_len).to(device)
-    compiled = compile_step(ours, lm_loss, graphsafe.optim.AdamW(ours.parameters(), lr=1e-3), mode="eager")
-    return {"torch eager": torch_step, "graphsafe graph, eager": lambda ids, t: compiled((ids, t))}
+    """The bench's PyTorch loop and graphsafe's traced graph run eagerly (bench/train.py), same seed and lr."""
+    return {name: step_for(method, config, device)[0]
+            for name, method in (("torch eager", "torch eager"), ("graphsafe graph, eager", "graphsafe eager"))}
 
 
 def main() -> None:

@@ -132,20 +132,26 @@ def test_emulated_capture_equals_the_eager_loop(emulated_cuda_graphs, runner, na
     assert all(p.grad is g for p, g in zip(step.traced.grad_params, step._runner.static_grads))
 
 
-def test_auto_falls_back_when_a_capture_fails_and_takes_the_step_once(emulated_cuda_graphs, caplog):
-    torch.manual_seed(1)
-    model = Planted(padding_idx=2)  # its .item() makes the emulated full capture fail, as a real one would
+def _auto_step_on_a_full_runner(model, seed):
+    """(compile_step in auto mode, reference model, its optimizer, 5 batches), with the full-capture runner
+    that CUDA would use had the gate missed the model's .item(): its emulated capture fails, as a real one would."""
     reference = use_graphsafe_embeddings(model)
     optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2)
     ref_optimizer = graphsafe.optim.AdamW(reference.parameters(), lr=1e-2)
     _record_optimizer_steps(optimizer)
-    gen = make_generator(5)
+    gen = make_generator(seed)
     batches = [make_batch(gen, padding_idx=2) for _ in range(5)]
     step = graphsafe.compile_step(model, ce_loss, optimizer, example_batch=batches[0])
     assert step.requested_mode == "auto"
-    # As on CUDA if the gate had missed the host read: a full-capture runner.
     step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
     step.report.mode = "full"
+    return step, reference, ref_optimizer, batches
+
+
+def test_auto_falls_back_when_a_capture_fails_and_takes_the_step_once(emulated_cuda_graphs, caplog):
+    torch.manual_seed(1)
+    model = Planted(padding_idx=2)
+    step, reference, ref_optimizer, batches = _auto_step_on_a_full_runner(model, 5)
     with caplog.at_level("WARNING", logger="graphsafe.graph"):
         for i, batch in enumerate(batches):
             assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
@@ -175,15 +181,7 @@ def test_failed_capture_does_not_apply_buffer_updates_twice(emulated_cuda_graphs
     # regions), then fails; the fallback takes the step. The buffers must end as after one eager step each.
     torch.manual_seed(3)
     model = PlantedWithStatistics(padding_idx=2)
-    reference = use_graphsafe_embeddings(model)
-    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_optimizer = graphsafe.optim.AdamW(reference.parameters(), lr=1e-2)
-    _record_optimizer_steps(optimizer)
-    gen = make_generator(6)
-    batches = [make_batch(gen, padding_idx=2) for _ in range(5)]
-    step = graphsafe.compile_step(model, ce_loss, optimizer, example_batch=batches[0])
-    step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
-    step.report.mode = "full"
+    step, reference, ref_optimizer, batches = _auto_step_on_a_full_runner(model, 6)
     for i, batch in enumerate(batches):
         assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
         assert int(model.batches_seen) == int(reference.batches_seen) == i + 1, f"after step {i}"

@@ -23,7 +23,7 @@ import graphsafe.optim
 from ..graph import compile_step
 from ..trainer.data import LMData
 from ..trainer.models import TransformerLM, lm_loss
-from ..trainer.run import TrainConfig, default_config, matmul_precision
+from ..trainer.run import TrainConfig, default_config, eager_torch_step, matmul_precision
 from .harness import BenchContext, Suite, Target, register_suite
 from .report import first_line, fmt_ms, markdown_table
 from .timing import synchronize, time_function
@@ -39,21 +39,14 @@ def _config(ctx: BenchContext) -> TrainConfig:
     return replace(sizes, device=str(ctx.device), matmul=default_config(ctx.device.type).matmul)
 
 
-def _step_for(method: str, config: TrainConfig, device: torch.device) -> tuple[Callable, Callable[[], str]]:
+def step_for(method: str, config: TrainConfig, device: torch.device) -> tuple[Callable, Callable[[], str]]:
     """(step(ids, targets), the mode it ran in) for one method, on a fresh model from the seed."""
     torch.manual_seed(config.seed)
     model = TransformerLM(config.vocab, config.dim, config.layers, config.heads, config.seq_len).to(device)
     if method == "torch eager":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=device.type == "cuda")
-
-        def step(ids, targets):
-            loss = lm_loss(model(ids), targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
-        return step, lambda: "eager (autograd)"
+        torch_step = eager_torch_step(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=LR,
+                                                                         fused=device.type == "cuda"))
+        return (lambda ids, targets: torch_step((ids, targets))), lambda: "eager (autograd)"
     optimizer = graphsafe.optim.AdamW(model.parameters(), lr=LR)
     compiled = compile_step(model, lm_loss, optimizer, mode="auto" if method == "graphsafe captured" else "eager")
     return (lambda ids, targets: compiled((ids, targets))), (
@@ -73,7 +66,7 @@ def _measure(ctx: BenchContext, method: str, config: TrainConfig) -> dict:
     try:
         data = LMData(config.vocab, config.batch_size, config.seq_len, config.seed, ctx.device)
         batches = [next(data) for _ in range(BATCHES)]
-        step, mode = _step_for(method, config, ctx.device)
+        step, mode = step_for(method, config, ctx.device)
         for batch in batches[:4]:  # trace, warm up and capture before the timer's own warm-up
             step(*batch)
         timing = time_function(step, batches, ctx.device, ctx.timer)

@@ -9,7 +9,6 @@ state memory and, with --check-determinism, whether two runs end with bitwise id
 from __future__ import annotations
 
 import contextlib
-import copy
 import statistics
 import sys
 import time
@@ -225,15 +224,22 @@ def _torch_baseline(config: TrainConfig) -> tuple[RunStats, torch.optim.Optimize
     device = torch.device(config.device)
     lr = config.lr if config.lr is not None else OPTIMIZERS["adamw"][1]["lr"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=device.type == "cuda")
+    return _run_loop(eager_torch_step(model, loss_fn, optimizer, inputs), data, config.steps, device, None), optimizer
+
+
+def eager_torch_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
+                     num_model_inputs: int = 1) -> Callable:
+    """The plain PyTorch loop's step(batch) -> loss, what compile_step is compared with: forward, loss,
+    backward, optimizer.step(), zero_grad()."""
 
     def step(batch):
-        loss = loss_fn(model(*batch[:inputs]), *batch[inputs:])
+        loss = loss_fn(model(*batch[:num_model_inputs]), *batch[num_model_inputs:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         return loss.detach()
 
-    return _run_loop(step, data, config.steps, device, None), optimizer
+    return step
 
 
 def train(config: TrainConfig) -> TrainResult:
