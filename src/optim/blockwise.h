@@ -239,6 +239,18 @@ GS_HD float normalized(float value, const BlockScale& b) { return (value * b.pre
 
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
 
+// One quantisation block of n values in one thread: writes their codes, returns the block's absmax. The CPU
+// step and both backends' standalone quantisation use it; the CUDA step shares a block among threads
+// (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish / quantize_value.
+GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
+  float raw = 0.0f;
+  for (int64_t i = 0; i < n; ++i) raw = absmax_step(raw, values[i]);
+  const float absmax = absmax_finish(raw);
+  const BlockScale block = block_scale(absmax);
+  for (int64_t i = 0; i < n; ++i) codes[i] = quantize_value(m, is_signed, normalized(values[i], block));
+  return absmax;
+}
+
 // Block sizes both backends support: powers of two from 32 to 1024 (a block is covered by 4 to 128 CUDA
 // threads of 8 elements each, inside one 2048-element pass of a thread block; 8 to 256 threads of 4 in the
 // LAMB/LARS measuring pass).

@@ -84,14 +84,7 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
   if (!Writes || !any_updated) return;
   for (int j = 0; j < States; ++j) {
     const bool is_signed = state_is_signed(o, j);
-    float scale = 0.0f;
-    for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, values[j][i - begin]);
-    scale = absmax_finish(scale);
-    t.absmax[j][b] = scale;
-    const QuantizationMap& map = host_quantization_map(is_signed);
-    const BlockScale block = block_scale(scale);
-    for (int64_t i = begin; i < end; ++i)
-      t.codes[j][i] = quantize_value(map, is_signed, normalized(values[j][i - begin], block));
+    t.absmax[j][b] = quantize_block(host_quantization_map(is_signed), is_signed, values[j], end - begin, t.codes[j] + begin);
   }
 }
 
@@ -218,12 +211,7 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
 #pragma omp parallel for schedule(static) if (numel >= kParallelMinElements)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
-    float scale = 0.0f;
-    for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
-    scale = absmax_finish(scale);
-    absmax[b] = scale;
-    const BlockScale block = block_scale(scale);
-    for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], block));
+    absmax[b] = quantize_block(map, is_signed, x + begin, end - begin, codes + begin);
   }
 }
 
