@@ -240,7 +240,8 @@ GS_HD float normalized(float value, const BlockScale& b) { return (value * b.pre
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
 
 // One quantisation block of n values in one thread: writes their codes, returns the block's absmax. The CPU
-// step and both backends' standalone quantisation use it; the CUDA step shares a block among threads
+// step and the CPU's standalone quantisation use it; CUDA's standalone quantize_kernel runs the same loop
+// (tests/cpp/emulation compares the two bit for bit), and the CUDA step shares a block among threads
 // (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish / quantize_value.
 GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
   float raw = 0.0f;

@@ -637,7 +637,13 @@ __global__ void quantize_kernel(const float* x, int64_t numel, int block_size, b
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= block_count(numel, block_size)) return;
   const int64_t begin = b * block_size, end = min(numel, begin + block_size);
-  absmax[b] = quantize_block(kDeviceMaps[is_signed ? 1 : 0], is_signed, x + begin, end - begin, codes + begin);
+  float scale = 0.0f;
+  for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
+  scale = absmax_finish(scale);
+  absmax[b] = scale;
+  const QuantizationMap& map = kDeviceMaps[is_signed ? 1 : 0];
+  const BlockScale block = block_scale(scale);
+  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], block));
 }
 
 __global__ void dequantize_kernel(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
