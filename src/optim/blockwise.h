@@ -34,7 +34,8 @@ inline constexpr float kSmallestBucketValue = 1.0f / 8388608.0f;  // 2^-23
 
 struct QuantizationMap {
   float value[256];                       // strictly increasing
-  uint8_t lower_code[2][kTableEntries];   // per table entry of |x|: [0] for x >= 0, [1] for x < 0, the smaller code there
+  float threshold[256];                   // threshold[c]: the smallest float whose code is above c (255: +inf)
+  uint8_t lower_code[kTableEntries][2];   // per table entry of |x|, [0] for x >= 0 and [1] for x < 0: the smaller code there
 };
 
 // The table entry of a magnitude (NaN included: it lands at or above 1): the bucket number + 1 in [2^-23, 1),
@@ -63,9 +64,10 @@ GS_HD constexpr int zero_code(bool is_signed) { return is_signed ? kSignedZeroCo
 
 // The definition of the code of x = value / absmax (|x| <= 1 up to rounding) in `map`: the nearest map
 // value, the one nearer zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code
-// of 0 (the block's absmax is NaN then, so the value decodes to NaN anyway). A binary search; the fast
-// quantize_value below gives the same code for every float (checked at compile time per bucket, and over
-// millions of floats in tests/cpp/test_quantization.cpp).
+// of 0 (the block's absmax is NaN then, so the value decodes to NaN anyway; and NaN's sign, which the two
+// backends' arithmetic may not agree on, plays no part). A binary search; the fast quantize_value below gives
+// the same code for every float (checked at compile time per bucket, over millions of floats in
+// tests/cpp/test_quantization.cpp, and over all of them by tools/quantizer_all_floats.cpp).
 constexpr uint8_t reference_code(const float* map, bool is_signed, float x) {
   if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
   int lo = 0, count = 256;  // lo becomes the first code whose value is >= x (256: none)
@@ -104,6 +106,36 @@ constexpr float bucket_high(int b) {
   return static_cast<float>(power_of_two(e) * (1.0 + (m + 1) / double(1 << kBucketMantissaBits)) - power_of_two(e - 23));
 }
 
+// The floats next to x (|x| in the normal range, as every threshold is), exactly and without bit casts, so
+// that the thresholds below are constants on both compilers.
+constexpr float ulp_of_binade(float magnitude) {  // the spacing of the floats in [2^e, 2^(e+1)) that holds it
+  double low = 1.0;
+  int e = 0;
+  while (low > magnitude) { low /= 2.0; --e; }
+  while (low * 2.0 <= magnitude) { low *= 2.0; ++e; }
+  return static_cast<float>(power_of_two(e - 23));
+}
+constexpr float next_float_up(float x);
+constexpr float next_float_down(float x) {
+  if (x <= 0.0f) return -next_float_up(-x);
+  const float spacing = ulp_of_binade(x);
+  const bool binade_start = static_cast<double>(x) == static_cast<double>(spacing) * 8388608.0;  // x == 2^e
+  return x - (binade_start ? spacing / 2.0f : spacing);
+}
+constexpr float next_float_up(float x) {
+  if (x < 0.0f) return -next_float_down(-x);
+  return x + ulp_of_binade(x);
+}
+
+// The smallest float whose reference code is above c: the decision point between value[c] and value[c + 1],
+// found from their midpoint and then stepped float by float to where the code changes.
+constexpr float code_threshold(const float* map, bool is_signed, int c) {
+  float t = static_cast<float>((static_cast<double>(map[c]) + static_cast<double>(map[c + 1])) / 2.0);
+  while (reference_code(map, is_signed, t) > c) t = next_float_down(t);
+  while (reference_code(map, is_signed, t) <= c) t = next_float_up(t);
+  return t;
+}
+
 constexpr QuantizationMap make_quantization_map(bool is_signed) {
   float positive[256] = {};  // ascending positive levels, smallest decade first
   int count = 0;
@@ -118,15 +150,17 @@ constexpr QuantizationMap make_quantization_map(bool is_signed) {
   m.value[k++] = 0.0f;
   for (int i = 0; i < count; ++i) m.value[k++] = positive[i];
   m.value[k++] = 1.0f;
+  for (int c = 0; c < 255; ++c) m.threshold[c] = code_threshold(m.value, is_signed, c);
+  m.threshold[255] = __builtin_huge_valf();  // never read: no table entry names 255 as its smaller code
   for (int b = 0; b < kBuckets; ++b) {
-    m.lower_code[0][b + 1] = reference_code(m.value, is_signed, bucket_low(b));
-    m.lower_code[1][b + 1] = reference_code(m.value, is_signed, -bucket_high(b));
+    m.lower_code[b + 1][0] = reference_code(m.value, is_signed, bucket_low(b));
+    m.lower_code[b + 1][1] = reference_code(m.value, is_signed, -bucket_high(b));
   }
   // Below the buckets the code is that of 0, and 0 is the nearer of it and the next code for either sign;
-  // at or above 1 (in magnitude) the end codes, 255 or 0, are the nearer of 254/255 and 0/1.
-  m.lower_code[0][0] = m.lower_code[1][0] = static_cast<uint8_t>(zero_code(is_signed));
-  m.lower_code[0][kBuckets + 1] = 254;
-  m.lower_code[1][kBuckets + 1] = 0;
+  // at or above 1 in magnitude the end codes, 255 (threshold[254] < 1) or 0 (threshold[0] > -1).
+  m.lower_code[0][0] = m.lower_code[0][1] = static_cast<uint8_t>(zero_code(is_signed));
+  m.lower_code[kBuckets + 1][0] = 254;
+  m.lower_code[kBuckets + 1][1] = 0;
   return m;
 }
 
@@ -175,16 +209,14 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
 }
 
 // reference_code's code of x, found in constant time and without branches (the 8-bit kernels are
-// instruction-bound): the table entry of |x| names the smaller of the (at most) two codes its floats get, and
-// the same nearest-value comparison as reference_code picks between them, an exact tie toward zero. NaN gives
-// the code of 0.
+// instruction-bound): the table entry of |x| names the smaller, c, of the (at most) two codes its floats get,
+// and x gets c + 1 exactly when it is at or above threshold[c], where the code changes (the tie rule is in the
+// thresholds). NaN gives the code of 0. Two shared-memory reads, two comparisons and integer arithmetic.
 GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
-  const float magnitude = bits_float(float_bits(x) & 0x7fffffffu);
-  const int code = m.lower_code[float_bits(x) >> 31][table_entry(magnitude)];
-  const float above = m.value[code + 1] - x, below = x - m.value[code];
-  // (| and & rather than || and &&: no branch)
-  const int up = int(above < below) | (int(!(below < above)) & int(code < zero_code(is_signed)));
-  return static_cast<uint8_t>(x == x ? code + up : zero_code(is_signed));
+  const uint32_t bits = float_bits(x);
+  const int lower = m.lower_code[table_entry(bits_float(bits & 0x7fffffffu))][bits >> 31];
+  const int code = lower + int(x >= m.threshold[lower]);
+  return static_cast<uint8_t>(x == x ? code : zero_code(is_signed));
 }
 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of

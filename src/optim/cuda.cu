@@ -283,9 +283,10 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
 #pragma unroll
   for (int j = 0; j < States; ++j) wide_codes = wide_codes && pack_aligned<uint8_t, V>(static_cast<uint8_t*>(table.state[j][w.tensor]));
   const int group = block_size / V;
+  const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
   for (int64_t pass = w.begin; pass < w.end; pass += kThreads * V) {
     const int64_t base = pass + int64_t(threadIdx.x) * V;
-    const int64_t quant_block = base / block_size;
+    const int64_t quant_block = base >> block_shift;
     const bool full = base + V <= w.end;
     // How many of the V elements exist: 32-bit compares per element instead of 64-bit ones.
     const int present = full ? V : (base < w.end ? int(w.end - base) : 0);
@@ -330,6 +331,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
     for (int e = 0; e < V; ++e) {
       if (!valid[e]) continue;
       float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
+      restore_dequantized_invariants(o, st);
       float pe = p[e];
       if (body(g[e], pe, st)) {
         updated[e] = any = true;
@@ -376,10 +378,139 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
 #pragma unroll
           for (int e = 0; e < V; ++e) if (valid[e]) codes[base + e] = c.v[e];
         }
-        if (base % block_size == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+        if ((base & (block_size - 1)) == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
       }
     }
   }
+}
+
+// The 8-bit writing pass over a whole chunk (kChunkElements elements) of a tensor whose parameters and
+// gradients take 16-byte accesses and whose codes take piece-sized ones, with quantisation blocks of whole warps
+// (block_size a multiple of 256): nearly all of a large step. Same results as for_each_quantized_element (the
+// same rules, per-block absmax and quantiser), with less work per element:
+// - a warp takes 256 consecutive elements per pass, lane l the 16-byte pieces l, l + 32, ... of them (2 pieces
+//   of 4 fp32 elements, or 1 of 8 fp16/bf16 ones), so each load and store instruction of a warp is contiguous
+//   (8 consecutive elements per lane spread each fp32 load over twice the sectors);
+// - a 256-element block's absmax and "any element updated" are one warp reduction each (REDUX, VOTE), not
+//   five shuffle rounds; larger blocks combine their warps through shared memory;
+// - no per-element bounds tests (the chunk is whole).
+template <class T, int States, class Body>
+__device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o, const TensorTable& table,
+                                                           const BlockWork& w, int block_size,
+                                                           const QuantizationMap* maps, Body body) {
+  constexpr int kPiece = 16 / int(sizeof(T)), kPieces = 8 / kPiece, kPieceStride = 32 * kPiece;
+  constexpr int kWarps = kThreads / 32;
+  __shared__ uint32_t exchange[States + 1][kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_block = block_size / 256;
+  const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
+  T* param = static_cast<T*>(table.param[w.tensor]) + w.begin;
+  const T* grad = static_cast<const T*>(table.grad[w.tensor]) + w.begin;
+  for (int pass = 0; pass < int(kChunkElements); pass += kThreads * 8) {
+    const int warp_first = pass + warp * 256, first = warp_first + lane * kPiece;  // piece k at first + k * kPieceStride
+    const int64_t quant_block = (w.begin + warp_first) >> block_shift;
+    float g[8], p[8], s[8][4] = {};
+    Pack<T, kPiece> p_raw[kPieces];  // the parameters as loaded: skipped elements are stored back with their own bits
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {
+      const Pack<T, kPiece> g_raw = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(grad + first + k * kPieceStride));
+      p_raw[k] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(param + first + k * kPieceStride));
+#pragma unroll
+      for (int i = 0; i < kPiece; ++i) {
+        g[k * kPiece + i] = ElementTraits<T>::load(g_raw.v[i]);
+        p[k * kPiece + i] = ElementTraits<T>::load(p_raw[k].v[i]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < States; ++j) {
+      const QuantizationMap& map = maps[state_is_signed(o, j) ? 1 : 0];
+      const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin;
+      const float scale = table.absmax[j][w.tensor][quant_block];
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k) {
+        const Pack<uint8_t, kPiece> c = load_streaming(reinterpret_cast<const Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride));
+#pragma unroll
+        for (int i = 0; i < kPiece; ++i) s[k * kPiece + i][j] = dequantize_value(map, c.v[i], scale);
+      }
+    }
+    bool any = false;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
+      restore_dequantized_invariants(o, st);
+      float pe = p[e];
+      if (body(g[e], pe, st)) {
+        any = true;
+        p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(pe);
+#pragma unroll
+        for (int j = 0; j < States; ++j) s[e][j] = st[j];
+      }
+    }
+    if (any) {
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k)
+        store_streaming(reinterpret_cast<Pack<T, kPiece>*>(param + first + k * kPieceStride), p_raw[k]);
+    }
+    if constexpr (States > 0) {
+      // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax as raw magnitude bits
+      // (absmax_step's order is that of the bits, so an unsigned max gathers it).
+      uint32_t reduced[States + 1];
+      reduced[0] = __any_sync(0xffffffffu, any) ? 1u : 0u;
+#pragma unroll
+      for (int j = 0; j < States; ++j) {
+        float mine = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) mine = absmax_step(mine, s[e][j]);
+        reduced[1 + j] = __reduce_max_sync(0xffffffffu, float_bits(mine));
+      }
+      if (warps_per_block > 1) {  // block-uniform: every thread meets both barriers
+        if (lane == 0) {
+#pragma unroll
+          for (int i = 0; i <= States; ++i) exchange[i][warp] = reduced[i];
+        }
+        __syncthreads();
+        const int group_first = warp / warps_per_block * warps_per_block;
+#pragma unroll
+        for (int i = 0; i <= States; ++i) {
+          reduced[i] = exchange[i][group_first];
+          for (int v = group_first + 1; v < group_first + warps_per_block; ++v) reduced[i] = max(reduced[i], exchange[i][v]);
+        }
+        __syncthreads();  // exchange[] is reused by the next pass
+      }
+      if (reduced[0] == 0) continue;  // all skipped: codes and absmax stay as they are
+#pragma unroll
+      for (int j = 0; j < States; ++j) {
+        const float new_scale = absmax_finish(bits_float(reduced[1 + j]));
+        const BlockScale block = block_scale(new_scale);
+        const bool is_signed = state_is_signed(o, j);
+        const QuantizationMap& map = maps[is_signed ? 1 : 0];
+        uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]) + w.begin;
+        const auto store_codes = [&](auto normalize) {
+#pragma unroll
+          for (int k = 0; k < kPieces; ++k) {
+            Pack<uint8_t, kPiece> c;
+#pragma unroll
+            for (int i = 0; i < kPiece; ++i) c.v[i] = quantize_value(map, is_signed, normalize(s[k * kPiece + i][j]));
+            store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride), c);
+          }
+        };
+        // A normal absmax (the common case; the branch is uniform over the block's warps) has prescale 1, and
+        // value * 1 is value (a NaN stays NaN, whose code is that of 0 either way): one multiply, not two.
+        if (block.prescale == 1.0f) store_codes([&](float value) { return value * block.inverse; });
+        else store_codes([&](float value) { return normalized(value, block); });
+        if (lane == 0 && warp % warps_per_block == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+      }
+    }
+  }
+}
+
+// Whether a writing 8-bit pass over the chunk can take for_each_quantized_element_of_whole_chunk.
+template <class T, int States>
+__device__ bool whole_chunk_path(const TensorTable& table, const BlockWork& w, int block_size) {
+  if (w.end - w.begin != kChunkElements || block_size % 256 != 0) return false;
+  bool ok = aligned(table.param[w.tensor], 16) && aligned(table.grad[w.tensor], 16);
+#pragma unroll
+  for (int j = 0; j < States; ++j) ok = ok && aligned(table.state[j][w.tensor], 16 / sizeof(T));
+  return ok;
 }
 
 // The element loop of the kernels below, for fp32 (Bits 32) or 8-bit (Bits 8) states: body(g, p, s)
@@ -388,10 +519,28 @@ template <class T, int States, int Bits, bool Writes, class Body>
 __device__ void for_each(const OptimOptions& o, const TensorTable& table, const BlockWork& w, int block_size,
                          const QuantizationMap* maps, Body body) {
   if constexpr (Bits == 8) {
+    if constexpr (Writes) {
+      if (whole_chunk_path<T, States>(table, w, block_size)) {
+        for_each_quantized_element_of_whole_chunk<T, States>(o, table, w, block_size, maps, body);
+        return;
+      }
+    }
     for_each_quantized_element<T, States, Writes>(o, table, w, block_size, maps, body);
   } else {
     for_each_element<T, States>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
   }
+}
+
+// The options with what algorithm A and a count of States states imply written as constants (the algorithm;
+// Adam's amsgrad; RMSprop's centered), so that the compiler folds the tests on them (state_is_signed's switch,
+// the rules' option branches) out of the 8-bit element loops instead of testing them per element.
+template <OptimAlgorithm A, int States>
+__device__ OptimOptions with_known_options(const OptimOptions& o) {
+  OptimOptions known = o;
+  known.algorithm = A;
+  if constexpr (A == OptimAlgorithm::Adam || A == OptimAlgorithm::AdamW) known.amsgrad = States == 3;
+  if constexpr (A == OptimAlgorithm::RMSprop && States != 2) known.centered = States == 3;
+  return known;
 }
 
 // The 8-bit kernels are instruction-bound and hide latency with more resident warps: their registers are
@@ -400,32 +549,42 @@ __device__ void for_each(const OptimOptions& o, const TensorTable& table, const 
 template <int Bits>
 constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 5;
 
-// Bits: 32 (fp32 states) or 8 (blockwise 8-bit states of block_size elements).
-template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
+// Element-wise algorithms with fp32 states: memory-bound, so few registers matter more than branches (rules.h,
+// elementwise_step switches per element).
+template <class T, int States>
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<32>)
     elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks, int block_size) {
   __shared__ Coefficients k;
-  const QuantizationMap* maps = nullptr;
-  if constexpr (Bits == 8) maps = load_maps_to_shared();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
-    if constexpr (Bits == 8) {  // instruction-bound: one loop per algorithm, no branch between elements
-      with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
-        const Coefficients mine = k;  // in registers (the rule's few): not re-read from shared per element
-        for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
-          if (skipped(o, g)) return false;
-          elementwise_rule<decltype(algorithm)::value>(o, mine, g, p, s);
-          return true;
-        });
-      });
-    } else {  // memory-bound: few registers matter more (rules.h, elementwise_step)
-      for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
-        if (skipped(o, g)) return false;
-        elementwise_step(o, k, g, p, s);
-        return true;
-      });
-    }
+    for_each<T, States, 32, true>(o, table, w, block_size, nullptr, [&](float g, float& p, float* s) {
+      if (skipped(o, g)) return false;
+      elementwise_step(o, k, g, p, s);
+      return true;
+    });
+  }
+}
+
+// Element-wise algorithm A with 8-bit states: instruction-bound, so one kernel per algorithm (its registers
+// are allocated for its own loop alone: one kernel for all algorithms of a state count spilled), with the
+// options that A and States imply folded into it and no branch between elements.
+template <class T, int States, OptimAlgorithm A>
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<8>)
+    quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks,
+                                 int block_size) {
+  __shared__ Coefficients k;
+  const QuantizationMap* maps = load_maps_to_shared();
+  const OptimOptions known = with_known_options<A, States>(o);
+  int current = -1;
+  GS_FOR_EACH_CHUNK(table, total_blocks, w) {
+    share_coefficients(known, lr, table, w.tensor, current, k);
+    const Coefficients mine = k;  // in registers (the rule's few): not re-read from shared per element
+    for_each<T, States, 8, true>(known, table, w, block_size, maps, [&](float g, float& p, float* s) {
+      if (skipped(known, g)) return false;
+      elementwise_rule<A>(known, mine, g, p, s);
+      return true;
+    });
   }
 }
 
@@ -562,13 +721,20 @@ template <class T, int States, int Bits>
 void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t blocks, float* workspace,
                   std::size_t factors_offset, cudaStream_t stream) {
   if (blocks == 0) return;
-  constexpr auto elementwise = &elementwise_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
-  constexpr auto measure = &measure_kernel<T, States, Bits>;
+  constexpr auto measure = &measure_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
   constexpr auto apply = &apply_kernel<T, States, Bits>;
   const OptimOptions& o = a.options;
   const int b = a.block_size;
   if (!is_layerwise(o.algorithm)) {
-    GS_LAUNCH(elementwise, grid_for(elementwise, blocks), kThreads, stream, o, a.lr, table, blocks, b);
+    if constexpr (Bits == 8) {
+      with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+        constexpr auto kernel = &quantized_elementwise_kernel<T, States, decltype(algorithm)::value>;
+        GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b);
+      });
+    } else {
+      constexpr auto kernel = &elementwise_kernel<T, States>;
+      GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b);
+    }
     GS_CUDA_CHECK_LAUNCH();
     return;
   }

@@ -136,7 +136,8 @@ GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float&
   if (o.centered) {
     const float grad_avg = lerp(s[1], g, k.one_minus_alpha);
     s[1] = grad_avg;
-    avg = sqrt_f(square_avg + (-1.0f) * (grad_avg * grad_avg)) + k.eps;
+    // At least 0: rounding can leave a negative residue (torch's square root turns it into NaN).
+    avg = sqrt_f(max_f(square_avg + (-1.0f) * (grad_avg * grad_avg), 0.0f)) + k.eps;
     next = 2;
   } else {
     avg = sqrt_f(square_avg) + k.eps;
@@ -148,6 +149,15 @@ GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float&
   } else {
     p = p + (-k.lr) * (g / avg);
   }
+}
+
+// 8-bit states are rounded one by one, which can break an invariant the fp32 states keep: centered RMSprop's
+// square_avg >= grad_avg^2 (an average of g^2 is at least the square of the average of g). Broken, the
+// variance estimate square_avg - grad_avg^2 turns negative and its square root NaN (a 1024-element block of
+// them, once the NaN reaches the block's absmax). The 8-bit steps restore the invariant on the dequantised
+// states an element is updated from (both backends, before the rule); the new states then keep it.
+GS_HD void restore_dequantized_invariants(const OptimOptions& o, float* s) {
+  if (o.algorithm == OptimAlgorithm::RMSprop && o.centered) s[0] = max_f(s[0], s[1] * s[1]);
 }
 
 GS_HD void adagrad(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {

@@ -75,6 +75,7 @@ TEST(Quantization, OutOfRangeAndSpecialInputs) {
     const QuantizationMap& map = host_quantization_map(is_signed);
     const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
     EXPECT_EQ(quantize_value(map, is_signed, nan), zero_code(is_signed));
+    EXPECT_EQ(quantize_value(map, is_signed, -nan), zero_code(is_signed)) << "NaN's sign plays no part";
     EXPECT_EQ(quantize_value(map, is_signed, 1.5f), 255);
     EXPECT_EQ(quantize_value(map, is_signed, inf), 255);
     EXPECT_EQ(quantize_value(map, is_signed, -inf), 0);
