@@ -2,7 +2,8 @@
 # One call on the GPU machine: build, C++ tests, CUDA pytest files, benchmarks. Logs go to $OUT.
 # The GPU image has no GoogleTest: before the call, here, `mkdir -p .deps && cp -r /usr/src/googletest .deps/`
 # and `echo /.deps/ >> .git/info/exclude`; then run (device tool) `bash tools/device_check.sh <commit>` with
-# carry [".deps"]. PYTEST_FILES, TRAIN_ARGS, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs.
+# carry [".deps"]. PYTEST_FILES, TRAIN_ARGS, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs; NCU=1 adds an
+# ncu summary of the 8-bit AdamW kernel (fp32 and bf16 parameters, tools/profile_optim8.py) before the benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export GRAPHSAFE_COMMIT=${1:-unknown} PYTHONUNBUFFERED=1
@@ -24,6 +25,16 @@ echo "ctest at $((SECONDS-START)) s: $(grep -E 'tests passed|tests failed' "$OUT
 if [ -n "${TRAIN_ARGS:-}" ]; then
   timeout 200 graphsafe train $TRAIN_ARGS > "$OUT/train.txt" 2>&1
   echo "train rc=$? at $((SECONDS-START)) s"; grep -E "^\| (mode|step time|loss|determinism|optimizer)" "$OUT/train.txt"
+fi
+if [ "${NCU:-0}" = 1 ]; then
+  for dtype in float32 bfloat16; do
+    ncu --clock-control none --kernel-name regex:elementwise_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
+      python3 tools/profile_optim8.py $dtype 8 > "$OUT/ncu_$dtype.txt" 2>&1
+    echo "== ncu 8-bit AdamW $dtype"
+    grep -E "^\s+(Duration|DRAM Throughput|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Executed Instructions |No Eligible)" "$OUT/ncu_$dtype.txt"
+  done
 fi
 # The device tool stops a call at 600 s; the benchmark gets what is left (minus a margin), unless told.
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-$((570-(SECONDS-START)))}

@@ -75,7 +75,6 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
   for (int64_t i = begin; i < end; ++i) {
     float s[4] = {};
     for (int j = 0; j < States; ++j) s[j] = values[j][i - begin];
-    restore_dequantized_invariants(o, s);
     float p = ElementTraits<T>::load(param[i]);
     if (!rule(ElementTraits<T>::load(grad[i]), p, s) || !Writes) continue;
     any_updated = true;

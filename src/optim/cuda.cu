@@ -208,13 +208,18 @@ __device__ const QuantizationMap* load_maps_to_shared() {
 
 // Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
 // share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
-// barriers per pass whatever N is (a warp-wide or narrower group needs shuffles only). Every thread of the
+// barriers per pass whatever N is (within a warp: one REDUX per value, or shuffles below 32). Every thread of the
 // block calls it; all get their group's results. Values are raw magnitudes from absmax_step (or 0 or 1).
 template <int N>
 __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThreads / 32]) {
-  for (int offset = min(group, 32) / 2; offset > 0; offset /= 2) {
+  if (group >= 32) {  // a whole warp: absmax_combine is an unsigned max of the bits, one REDUX per value
 #pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = absmax_combine(v[k], __shfl_xor_sync(0xffffffffu, v[k], offset));
+    for (int k = 0; k < N; ++k) v[k] = bits_float(__reduce_max_sync(0xffffffffu, float_bits(v[k])));
+  } else {
+    for (int offset = group / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) v[k] = absmax_combine(v[k], __shfl_xor_sync(0xffffffffu, v[k], offset));
+    }
   }
   if (group <= 32) return;
   const int warp = threadIdx.x / 32, warps = group / 32, first = warp / warps * warps;
@@ -328,18 +333,8 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
     }
     bool any = false;
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      if (!valid[e]) continue;
-      float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
-      restore_dequantized_invariants(o, st);
-      float pe = p[e];
-      if (body(g[e], pe, st)) {
-        updated[e] = any = true;
-        p[e] = pe;
-#pragma unroll
-        for (int j = 0; j < States; ++j) s[e][j] = st[j];
-      }
-    }
+    for (int e = 0; e < V; ++e)
+      if (valid[e] && body(g[e], p[e], s[e])) updated[e] = any = true;  // false: p and s as they were
     if (Writes && any) {
       if (wide && full) {
 #pragma unroll
@@ -391,16 +386,15 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
 // - a warp takes 256 consecutive elements per pass, lane l the 16-byte pieces l, l + 32, ... of them (2 pieces
 //   of 4 fp32 elements, or 1 of 8 fp16/bf16 ones), so each load and store instruction of a warp is contiguous
 //   (8 consecutive elements per lane spread each fp32 load over twice the sectors);
-// - a 256-element block's absmax and "any element updated" are one warp reduction each (REDUX, VOTE), not
-//   five shuffle rounds; larger blocks combine their warps through shared memory;
+// - a block's absmax and "any element updated" are one warp reduction each (group_max: REDUX), larger blocks
+//   combining their warps through shared memory;
 // - no per-element bounds tests (the chunk is whole).
 template <class T, int States, class Body>
 __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o, const TensorTable& table,
                                                            const BlockWork& w, int block_size,
                                                            const QuantizationMap* maps, Body body) {
   constexpr int kPiece = 16 / int(sizeof(T)), kPieces = 8 / kPiece, kPieceStride = 32 * kPiece;
-  constexpr int kWarps = kThreads / 32;
-  __shared__ uint32_t exchange[States + 1][kWarps];
+  __shared__ float exchange[States + 1][kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_block = block_size / 256;
   const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
   T* param = static_cast<T*>(table.param[w.tensor]) + w.begin;
@@ -435,14 +429,9 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
     bool any = false;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
-      restore_dequantized_invariants(o, st);
-      float pe = p[e];
-      if (body(g[e], pe, st)) {
+      if (body(g[e], p[e], s[e])) {  // false: p and s as they were
         any = true;
-        p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(pe);
-#pragma unroll
-        for (int j = 0; j < States; ++j) s[e][j] = st[j];
+        p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(p[e]);
       }
     }
     if (any) {
@@ -451,52 +440,32 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
         store_streaming(reinterpret_cast<Pack<T, kPiece>*>(param + first + k * kPieceStride), p_raw[k]);
     }
     if constexpr (States > 0) {
-      // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax as raw magnitude bits
-      // (absmax_step's order is that of the bits, so an unsigned max gathers it).
-      uint32_t reduced[States + 1];
-      reduced[0] = __any_sync(0xffffffffu, any) ? 1u : 0u;
+      // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax. A quantisation
+      // block is block_size / 8 threads here too (one warp or several), so group_max serves both loops.
+      float reduced[States + 1];
+      reduced[0] = any ? 1.0f : 0.0f;
 #pragma unroll
       for (int j = 0; j < States; ++j) {
-        float mine = 0.0f;
+        reduced[1 + j] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) mine = absmax_step(mine, s[e][j]);
-        reduced[1 + j] = __reduce_max_sync(0xffffffffu, float_bits(mine));
+        for (int e = 0; e < 8; ++e) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
       }
-      if (warps_per_block > 1) {  // block-uniform: every thread meets both barriers
-        if (lane == 0) {
-#pragma unroll
-          for (int i = 0; i <= States; ++i) exchange[i][warp] = reduced[i];
-        }
-        __syncthreads();
-        const int group_first = warp / warps_per_block * warps_per_block;
-#pragma unroll
-        for (int i = 0; i <= States; ++i) {
-          reduced[i] = exchange[i][group_first];
-          for (int v = group_first + 1; v < group_first + warps_per_block; ++v) reduced[i] = max(reduced[i], exchange[i][v]);
-        }
-        __syncthreads();  // exchange[] is reused by the next pass
-      }
-      if (reduced[0] == 0) continue;  // all skipped: codes and absmax stay as they are
+      group_max(reduced, block_size / 8, exchange);
+      if (reduced[0] == 0.0f) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
-        const float new_scale = absmax_finish(bits_float(reduced[1 + j]));
+        const float new_scale = absmax_finish(reduced[1 + j]);
         const BlockScale block = block_scale(new_scale);
         const bool is_signed = state_is_signed(o, j);
         const QuantizationMap& map = maps[is_signed ? 1 : 0];
         uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]) + w.begin;
-        const auto store_codes = [&](auto normalize) {
 #pragma unroll
-          for (int k = 0; k < kPieces; ++k) {
-            Pack<uint8_t, kPiece> c;
+        for (int k = 0; k < kPieces; ++k) {
+          Pack<uint8_t, kPiece> c;
 #pragma unroll
-            for (int i = 0; i < kPiece; ++i) c.v[i] = quantize_value(map, is_signed, normalize(s[k * kPiece + i][j]));
-            store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride), c);
-          }
-        };
-        // A normal absmax (the common case; the branch is uniform over the block's warps) has prescale 1, and
-        // value * 1 is value (a NaN stays NaN, whose code is that of 0 either way): one multiply, not two.
-        if (block.prescale == 1.0f) store_codes([&](float value) { return value * block.inverse; });
-        else store_codes([&](float value) { return normalized(value, block); });
+          for (int i = 0; i < kPiece; ++i) c.v[i] = quantize_value(map, is_signed, normalized(s[k * kPiece + i][j], block));
+          store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride), c);
+        }
         if (lane == 0 && warp % warps_per_block == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
       }
     }

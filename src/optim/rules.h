@@ -126,38 +126,34 @@ GS_HD void sgd(const OptimOptions& o, const Coefficients& k, float g, float& p, 
   p = p + (-k.lr) * g;
 }
 
+// Centered, the variance estimate square_avg - grad_avg^2 is >= 0 as long as square_avg >= grad_avg^2 (an
+// average of g^2 is at least the square of the average of g). fp32 states keep that up to rounding; states
+// rounded to 8 bits one by one need not, and the square root then turned NaN (and, through the absmax, its
+// whole block). So the stored square_avg is taken as at least grad_avg^2, and the estimate as at least 0.
+// For fp32 states both only act where rounding broke the invariant (where torch's square root may give NaN).
 GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (o.maximize) g = -g;
   if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
-  const float square_avg = s[0] * k.alpha + k.one_minus_alpha * (g * g);
+  const float previous_square_avg = o.centered ? max_f(s[0], s[1] * s[1]) : s[0];
+  const float square_avg = previous_square_avg * k.alpha + k.one_minus_alpha * (g * g);
   s[0] = square_avg;
   float avg;
-  int next = 1;
   if (o.centered) {
     const float grad_avg = lerp(s[1], g, k.one_minus_alpha);
     s[1] = grad_avg;
-    // At least 0: rounding can leave a negative residue (torch's square root turns it into NaN).
     avg = sqrt_f(max_f(square_avg + (-1.0f) * (grad_avg * grad_avg), 0.0f)) + k.eps;
-    next = 2;
   } else {
     avg = sqrt_f(square_avg) + k.eps;
   }
   if (o.momentum > 0.0) {
-    const float buf = s[next] * k.momentum + g / avg;
-    s[next] = buf;
+    // The buffer is s[2] when centered, else s[1]; constant indices keep s[] in registers in the CUDA kernels.
+    const float buf = (o.centered ? s[2] : s[1]) * k.momentum + g / avg;
+    if (o.centered) s[2] = buf;
+    else s[1] = buf;
     p = p + (-k.lr) * buf;
   } else {
     p = p + (-k.lr) * (g / avg);
   }
-}
-
-// 8-bit states are rounded one by one, which can break an invariant the fp32 states keep: centered RMSprop's
-// square_avg >= grad_avg^2 (an average of g^2 is at least the square of the average of g). Broken, the
-// variance estimate square_avg - grad_avg^2 turns negative and its square root NaN (a 1024-element block of
-// them, once the NaN reaches the block's absmax). The 8-bit steps restore the invariant on the dequantised
-// states an element is updated from (both backends, before the rule); the new states then keep it.
-GS_HD void restore_dequantized_invariants(const OptimOptions& o, float* s) {
-  if (o.algorithm == OptimAlgorithm::RMSprop && o.centered) s[0] = max_f(s[0], s[1] * s[1]);
 }
 
 GS_HD void adagrad(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {

@@ -942,8 +942,8 @@ def test_changed_options_with_the_same_number_of_states_convert(state_bits):
 def test_centered_rmsprop_8bit_stays_finite_and_close_to_32bit(momentum):
     """Centered RMSprop takes the square root of square_avg - grad_avg^2. Rounded to 8 bits one by one, the two
     moments can break square_avg >= grad_avg^2 (small elements of a block with a large absmax lose most of their
-    precision), which made the root NaN and then the whole block NaN within two steps. The 8-bit step restores
-    the invariant on the dequantised states: every parameter stays finite. The update stays near the 32-bit
+    precision), which made the root NaN and then the whole block NaN within two steps. The rule restores the
+    invariant on the states it reads: every parameter stays finite. The update stays near the 32-bit
     one (an empirical bound as in section 4: measured 11.7% without momentum and 1.4% with, on this table of
     magnitudes spread over four decades inside each block; bounds about 2x that)."""
     gen = make_generator(11)

@@ -51,8 +51,9 @@ CUDA = "cuda"
 CASES = optim_cases()
 TOL = 1e-5
 
-# Sizes not multiple of 4, one chunk exactly, chunk + 5, several chunks; offsets > 0 make the parameter
-# (and its gradient) start off a 16-byte boundary, which forces the kernels' scalar path.
+# Sizes not multiple of 4, one chunk exactly, chunk + 5, several chunks, two aligned whole chunks (the 8-bit
+# whole-chunk loop); offsets > 0 make the parameter (and its gradient) start off a 16-byte boundary, which
+# forces the kernels' scalar path.
 SHAPES = [(1,), (3,), (37,), (16, 33), (4096,), (4096 + 5,), (3 * 4096 + 1,), (64, 40), (2, 4096)]
 OFFSETS = [0, 1, 1, 0, 0, 2, 3, 0, 0]
 
@@ -319,14 +320,12 @@ def lr_factor(epoch: int) -> float:
     return 0.8**epoch * (1 + epoch % 3)
 
 
-# 8-bit with blocks of 64 takes the general element loop; with 256 the aligned whole chunks take the one-warp-per-block loop.
-@pytest.mark.parametrize("state_bits", [32, 8, "8/256"])
+# 8-bit with blocks of 64 takes the general element loop; with 256 the aligned whole chunks take the whole-chunk loop.
+@pytest.mark.parametrize("state_bits,block_size", [(32, None), (8, 64), (8, 256)], ids=["32", "8-64", "8-256"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
-def test_captured_step_with_lr_scheduler_equals_eager(case, dtype, state_bits):
-    seed = stable_seed("graph", case, str(dtype), state_bits)
-    block_size = 256 if state_bits == "8/256" else 64
-    state_bits = 8 if state_bits == "8/256" else state_bits
+def test_captured_step_with_lr_scheduler_equals_eager(case, dtype, state_bits, block_size):
+    seed = stable_seed("graph", case, str(dtype), state_bits, block_size)
     params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     eager_params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     static_grads, eager_grads = attach_grads(params, OFFSETS), attach_grads(eager_params, OFFSETS)

@@ -37,24 +37,17 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   return partner;
 }
 
-// Warp-wide votes and reductions: each thread publishes its value, all meet, each combines its own warp's 32
-// (every thread of the block calls them, as graphsafe's kernels do), all meet again.
+// A warp-wide unsigned max (REDUX): each thread publishes its value, all meet, each takes the max over its own
+// warp's 32 (every thread of the block calls it, as graphsafe's kernels do), all meet again.
 inline unsigned emu_warp_values[1024];
-template <class Combine>
-inline unsigned emu_warp_reduce(unsigned v, Combine combine) {
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
   emu_warp_values[threadIdx.x] = v;
   __syncthreads();
   const unsigned first = threadIdx.x / 32 * 32;
   unsigned r = emu_warp_values[first];
-  for (unsigned i = first + 1; i < first + 32; ++i) r = combine(r, emu_warp_values[i]);
+  for (unsigned i = first + 1; i < first + 32; ++i) r = r > emu_warp_values[i] ? r : emu_warp_values[i];
   __syncthreads();
   return r;
-}
-inline unsigned __reduce_max_sync(unsigned, unsigned v) {
-  return emu_warp_reduce(v, [](unsigned a, unsigned b) { return a > b ? a : b; });
-}
-inline int __any_sync(unsigned, int predicate) {
-  return emu_warp_reduce(predicate ? 1u : 0u, [](unsigned a, unsigned b) { return a | b; }) != 0;
 }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 
@@ -67,7 +60,6 @@ struct float2 { float x, y; };
 struct alignas(4) uchar4 { unsigned char x, y, z, w; };
 inline uchar4 make_uchar4(unsigned char x, unsigned char y, unsigned char z, unsigned char w) { return uchar4{x, y, z, w}; }
 template <class A, class B> inline auto min(A a, B b) { return a < b ? a : b; }
-template <class A, class B> inline auto max(A a, B b) { return a > b ? a : b; }
 
 using cudaStream_t = void*;
 using cudaError_t = int;
