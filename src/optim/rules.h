@@ -314,21 +314,29 @@ GS_HD constexpr bool can_keep_states(OptimAlgorithm a, int states) {
 }
 
 // The element-wise (or layer-wise) algorithms that can keep States states: a kernel instantiated for States
-// states dispatches only among these, each with its own element loop. f receives AlgorithmTag<A>{}.
+// states dispatches only among these, each with its own element loop. f receives AlgorithmTag<A>{}. The CUDA
+// backend also dispatches with these on the host (one 8-bit kernel per algorithm), so f may be host-only: the
+// pragma tells nvcc not to check a host f called from this host-and-device code.
+template <int States, bool Layerwise, class F>
+struct AlgorithmsKeeping {
+  F& f;
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+  template <class Tag>
+  GS_HD void operator()(Tag algorithm) const {
+    if constexpr (is_layerwise(Tag::value) == Layerwise && can_keep_states(Tag::value, States)) f(algorithm);
+  }
+};
+
 template <int States, class F>
 GS_HD void with_elementwise_algorithm(OptimAlgorithm a, F&& f) {
-  with_algorithm(a, [&](auto algorithm) {
-    constexpr OptimAlgorithm A = decltype(algorithm)::value;
-    if constexpr (!is_layerwise(A) && can_keep_states(A, States)) f(algorithm);
-  });
+  with_algorithm(a, AlgorithmsKeeping<States, false, F>{f});
 }
 
 template <int States, class F>
 GS_HD void with_layerwise_algorithm(OptimAlgorithm a, F&& f) {
-  with_algorithm(a, [&](auto algorithm) {
-    constexpr OptimAlgorithm A = decltype(algorithm)::value;
-    if constexpr (is_layerwise(A) && can_keep_states(A, States)) f(algorithm);
-  });
+  with_algorithm(a, AlgorithmsKeeping<States, true, F>{f});
 }
 
 }  // namespace graphsafe::optim_detail
