@@ -429,9 +429,15 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
     bool any = false;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (body(g[e], p[e], s[e])) {  // false: p and s as they were
+      // Through a copy, not on s[e] in place: with AdEMAMix's three states the in-place form made the compiler
+      // version the loop once more, and the step took 0.578 instead of 0.525 ms on the H200 (same lease).
+      float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};
+      float pe = p[e];
+      if (body(g[e], pe, st)) {
         any = true;
-        p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(p[e]);
+        p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(pe);
+#pragma unroll
+        for (int j = 0; j < States; ++j) s[e][j] = st[j];
       }
     }
     if (any) {
