@@ -236,6 +236,22 @@ __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThread
   __syncthreads();  // exchange[] is reused by the next pass
 }
 
+// After an 8-bit pass, what the `group` threads sharing a quantisation block agree on (all threads call it):
+// reduced[0] is 1 if any of them updated an element, reduced[1 + j] state j's new absmax over the block's
+// valid elements (a raw magnitude for absmax_finish).
+template <int N, int V>  // N: the states + 1
+__device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&valid)[V], int group,
+                               float (&exchange)[N][kThreads / 32], float (&reduced)[N]) {
+  reduced[0] = any ? 1.0f : 0.0f;
+#pragma unroll
+  for (int j = 0; j + 1 < N; ++j) {
+    reduced[1 + j] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < V; ++e) if (valid[e]) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
+  }
+  group_max(reduced, group, exchange);
+}
+
 // N elements of type T at p (aligned to min(16, N * sizeof(T)) bytes), loaded or stored in 16-byte (or
 // smaller) streaming pieces.
 template <class T, int N>
@@ -346,16 +362,8 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
       }
     }
     if constexpr (Writes && States > 0) {
-      // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax.
       float reduced[States + 1];
-      reduced[0] = any ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < States; ++j) {
-        reduced[1 + j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < V; ++e) if (valid[e]) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
-      }
-      group_max(reduced, group, exchange);
+      agree_on_block(any, s, valid, group, exchange, reduced);
       if (reduced[0] == 0.0f || base >= w.end) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
@@ -446,17 +454,10 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
         store_streaming(reinterpret_cast<Pack<T, kPiece>*>(param + first + k * kPieceStride), p_raw[k]);
     }
     if constexpr (States > 0) {
-      // [0]: whether any element of the block was updated; [1 + j]: state j's new absmax. A quantisation
-      // block is block_size / 8 threads here too (one warp or several), so group_max serves both loops.
+      // A quantisation block is block_size / 8 threads here too (one warp or several).
+      constexpr bool kAll[8] = {true, true, true, true, true, true, true, true};
       float reduced[States + 1];
-      reduced[0] = any ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < States; ++j) {
-        reduced[1 + j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) reduced[1 + j] = absmax_step(reduced[1 + j], s[e][j]);
-      }
-      group_max(reduced, block_size / 8, exchange);
+      agree_on_block(any, s, kAll, block_size / 8, exchange, reduced);
       if (reduced[0] == 0.0f) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
