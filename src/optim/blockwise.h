@@ -212,11 +212,15 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
 // instruction-bound): the table entry of |x| names the smaller, c, of the (at most) two codes its floats get,
 // and x gets c + 1 exactly when it is at or above threshold[c], where the code changes (the tie rule is in the
 // thresholds). NaN gives the code of 0. Two shared-memory reads, two comparisons and integer arithmetic.
-GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
+// quantize_number is that code for an x that is not NaN.
+GS_HD uint8_t quantize_number(const QuantizationMap& m, float x) {
   const uint32_t bits = float_bits(x);
   const int lower = m.lower_code[table_entry(bits_float(bits & 0x7fffffffu))][bits >> 31];
-  const int code = lower + int(x >= m.threshold[lower]);
-  return static_cast<uint8_t>(x == x ? code : zero_code(is_signed));
+  return static_cast<uint8_t>(lower + int(x >= m.threshold[lower]));
+}
+
+GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
+  return x == x ? quantize_number(m, x) : static_cast<uint8_t>(zero_code(is_signed));
 }
 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
@@ -267,6 +271,10 @@ GS_HD BlockScale block_scale(float absmax) {
 
 // An infinite value needs no clamping to ±FLT_MAX first: its block's absmax is FLT_MAX (or NaN), so it
 // normalizes to ±inf (or NaN) and gets the end code (or that of 0), as ±FLT_MAX would.
+// A normalized value is NaN only in a block whose absmax is NaN: otherwise no value is NaN, |value| <= absmax,
+// and the inverse is finite (0 only for an all-zero block), so the product is a number (±inf for ±inf with
+// absmax FLT_MAX). The CUDA step relies on it: it quantises with quantize_number and gives a NaN block the
+// code of 0 throughout (codes_of_block), instead of testing every value for NaN.
 GS_HD float normalized(float value, const BlockScale& b) { return (value * b.prescale) * b.inverse; }
 
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }

@@ -252,6 +252,16 @@ __device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&va
   group_max(reduced, group, exchange);
 }
 
+// The codes of N normalized values of one quantisation block with absmax `absmax` (as quantize_value gives
+// them; blockwise.h, normalized, says why a block's values are NaN only where its absmax is).
+template <int N>
+__device__ Pack<uint8_t, N> codes_of_block(const QuantizationMap& map, bool is_signed, const float (&x)[N], float absmax) {
+  Pack<uint8_t, N> c;
+#pragma unroll
+  for (int i = 0; i < N; ++i) c.v[i] = absmax == absmax ? quantize_number(map, x[i]) : uint8_t(zero_code(is_signed));
+  return c;
+}
+
 // N elements of type T at p (aligned to min(16, N * sizeof(T)) bytes), loaded or stored in 16-byte (or
 // smaller) streaming pieces.
 template <class T, int N>
@@ -372,9 +382,10 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
         const bool is_signed = state_is_signed(o, j);
         const QuantizationMap& map = maps[is_signed ? 1 : 0];
         uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
-        Pack<uint8_t, V> c;
+        float x[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e) c.v[e] = quantize_value(map, is_signed, normalized(s[e][j], block));
+        for (int e = 0; e < V; ++e) x[e] = normalized(s[e][j], block);
+        const Pack<uint8_t, V> c = codes_of_block(map, is_signed, x, new_scale);
         if (full && wide_codes) {
           store_pack<uint8_t, V>(codes + base, c);
         } else {
@@ -468,10 +479,11 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
         uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]) + w.begin;
 #pragma unroll
         for (int k = 0; k < kPieces; ++k) {
-          Pack<uint8_t, kPiece> c;
+          float x[kPiece];
 #pragma unroll
-          for (int i = 0; i < kPiece; ++i) c.v[i] = quantize_value(map, is_signed, normalized(s[k * kPiece + i][j], block));
-          store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride), c);
+          for (int i = 0; i < kPiece; ++i) x[i] = normalized(s[k * kPiece + i][j], block);
+          store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride),
+                          codes_of_block(map, is_signed, x, new_scale));
         }
         if (lane == 0 && warp % warps_per_block == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
       }
@@ -544,8 +556,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<32>)
 
 // Element-wise algorithm A with 8-bit states: instruction-bound, so one kernel per algorithm (its registers
 // are allocated for its own loop alone: one kernel for all algorithms of a state count spilled), with the
-// options that A and States imply folded into it and no branch between elements.
-template <class T, int States, OptimAlgorithm A>
+// options that A and States imply folded into it and no branch between elements; and, where eps allows,
+// FastMath's square roots and quotients (rules.h).
+template <class T, int States, OptimAlgorithm A, class Math>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<8>)
     quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks,
                                  int block_size) {
@@ -558,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<8>)
     const Coefficients mine = k;  // in registers (the rule's few): not re-read from shared per element
     for_each<T, States, 8, true>(known, table, w, block_size, maps, [&](float g, float& p, float* s) {
       if (skipped(known, g)) return false;
-      elementwise_rule<A>(known, mine, g, p, s);
+      elementwise_rule<A, Math>(known, mine, g, p, s);
       return true;
     });
   }
@@ -704,8 +717,14 @@ void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t bloc
   if (!is_layerwise(o.algorithm)) {
     if constexpr (Bits == 8) {
       with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
-        constexpr auto kernel = &quantized_elementwise_kernel<T, States, decltype(algorithm)::value>;
-        GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b);
+        constexpr OptimAlgorithm A = decltype(algorithm)::value;
+        auto launch = [&](auto kernel) { GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b); };
+        if constexpr (takes_roots(A)) {
+          if (fast_math_applies(o)) launch(&quantized_elementwise_kernel<T, States, A, FastMath>);
+          else launch(&quantized_elementwise_kernel<T, States, A, ExactMath>);
+        } else {
+          launch(&quantized_elementwise_kernel<T, States, A, ExactMath>);  // no roots or quotients to choose for
+        }
       });
     } else {
       constexpr auto kernel = &elementwise_kernel<T, States>;

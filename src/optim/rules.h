@@ -32,10 +32,52 @@ GS_HD float max_f(float a, float b) { return (a != a || a > b) ? a : b; }  // Na
 GS_HD double min_d(double a, double b) { return a < b ? a : b; }
 GS_HD float sign_f(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
 
-// torch.lerp's formula (two forms, for accuracy near either end).
+// torch.lerp's formula (two forms, for accuracy near either end): self + weight * (end - self) below 0.5,
+// else end - (end - self) * (1 - weight), written as end + (end - self) * -(1 - weight) (the same bits: IEEE
+// negation is exact) so that the forms differ only in a start and a factor that depend on weight alone, which
+// the CUDA kernels choose once per tensor instead of computing both forms per element.
 GS_HD float lerp(float self, float end, float weight) {
-  return weight < 0.5f ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
+  const bool low = weight < 0.5f;
+  return (low ? self : end) + (end - self) * (low ? weight : -(1.0f - weight));
 }
+
+// How a rule takes square roots and quotients.
+// ExactMath: IEEE square root and division, torch's numerics. The fp32-state kernels and the CPU backend use it.
+// FastMath: the CUDA 8-bit element-wise kernels, which are instruction-bound (an IEEE square root and
+//   division take about 10 instructions each, with a branch to a slow path; these take 1 to 4). On the GPU:
+//   the approximate square root (sqrt.approx.f32, relative error within 2^-23, subnormals handled), quotients
+//   as a times the approximate reciprocal of b (rcp.approx.ftz.f32, within 1 ulp; b must be a normal float:
+//   every divisor of the rules below is at least eps, and the kernels take FastMath only when eps is normal,
+//   fast_math_applies), and a division by a per-tensor constant as a multiply by its inverse (formed in
+//   double). So CUDA's 8-bit steps differ from the CPU's by a few fp32 ulps of each update, well inside one
+//   quantisation step; each backend stays bitwise repeatable. On the host FastMath is ExactMath (the CPU
+//   backend's bits, and CI's emulation of the kernels, are those of the exact rules).
+struct ExactMath {
+  static GS_HD float sqrt(float x) { return sqrt_f(x); }
+  static GS_HD float divide(float a, float b) { return a / b; }
+  static GS_HD float divide_by_constant(float a, float b, float /*inverse_b*/) { return a / b; }
+};
+
+#if defined(__CUDA_ARCH__)
+struct FastMath {
+  static __device__ float sqrt(float x) {
+    float r;
+    asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+  }
+  static __device__ float divide(float a, float b) {
+    float inverse;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inverse) : "f"(b));
+    return a * inverse;
+  }
+  static __device__ float divide_by_constant(float a, float /*b*/, float inverse_b) { return a * inverse_b; }
+};
+#else
+struct FastMath : ExactMath {};
+#endif
+
+// Whether FastMath may serve a step with these options: its reciprocal needs normal divisors (>= eps).
+GS_HD bool fast_math_applies(const OptimOptions& o) { return o.eps >= 1.1754943508222875e-38; }
 
 // skip_zeros tests the raw gradient element: +0.0 and -0.0 are skipped, NaN is not.
 GS_HD bool skipped(const OptimOptions& o, float raw_grad) { return o.skip_zeros && raw_grad == 0.0f; }
@@ -49,6 +91,7 @@ struct Coefficients {
   float neg_step_size;          // -lr / (1 - beta1^step)
   float bias_correction1;       // 1 - beta1^step
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float inverse_bias_correction1, inverse_bias_correction2_sqrt;  // their inverses (FastMath divides by them)
   float neg_adagrad_lr;         // -lr / (1 + (step - 1) * lr_decay)
   float mix_alpha;              // AdEMAMix alpha after warm-up
   float beta3, one_minus_beta3; // AdEMAMix beta3 after warm-up
@@ -76,6 +119,8 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
   const double bc2 = corrected ? 1.0 - pow_d(o.beta2, step) : 1.0;
   k.bias_correction1 = static_cast<float>(bc1);
   k.bias_correction2_sqrt = static_cast<float>(sqrt_d(bc2));
+  k.inverse_bias_correction1 = static_cast<float>(1.0 / bc1);
+  k.inverse_bias_correction2_sqrt = static_cast<float>(1.0 / sqrt_d(bc2));
   k.neg_step_size = static_cast<float>(-(lr / bc1));
   k.neg_adagrad_lr = static_cast<float>(-(lr / (1.0 + (step - 1.0) * o.lr_decay)));
   // AdEMAMix (Pagliardini et al. 2024, Algorithm 1): alpha rises linearly over T_alpha steps; beta3 rises
@@ -95,6 +140,7 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
 
 // ---- Element-wise rules (all but LAMB and LARS). s[] holds optim_state_count() states. ----
 
+template <class Math>
 GS_HD void adam(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s, bool decoupled) {
   if (o.maximize) g = -g;
   if (o.weight_decay != 0.0) {
@@ -108,8 +154,9 @@ GS_HD void adam(const OptimOptions& o, const Coefficients& k, float g, float& p,
     s[2] = max_f(s[2], v);
     v_used = s[2];
   }
-  const float denom = sqrt_f(v_used) / k.bias_correction2_sqrt + k.eps;
-  p = p + k.neg_step_size * (m / denom);
+  const float denom =
+      Math::divide_by_constant(Math::sqrt(v_used), k.bias_correction2_sqrt, k.inverse_bias_correction2_sqrt) + k.eps;
+  p = p + k.neg_step_size * Math::divide(m, denom);
   s[0] = m;
   s[1] = v;
 }
@@ -131,6 +178,7 @@ GS_HD void sgd(const OptimOptions& o, const Coefficients& k, float g, float& p, 
 // rounded to 8 bits one by one need not, and the square root then turned NaN (and, through the absmax, its
 // whole block). So the stored square_avg is taken as at least grad_avg^2, and the estimate as at least 0.
 // For fp32 states both only act where rounding broke the invariant (where torch's square root may give NaN).
+template <class Math>
 GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (o.maximize) g = -g;
   if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
@@ -141,27 +189,28 @@ GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float&
   if (o.centered) {
     const float grad_avg = lerp(s[1], g, k.one_minus_alpha);
     s[1] = grad_avg;
-    avg = sqrt_f(max_f(square_avg + (-1.0f) * (grad_avg * grad_avg), 0.0f)) + k.eps;
+    avg = Math::sqrt(max_f(square_avg + (-1.0f) * (grad_avg * grad_avg), 0.0f)) + k.eps;
   } else {
-    avg = sqrt_f(square_avg) + k.eps;
+    avg = Math::sqrt(square_avg) + k.eps;
   }
   if (o.momentum > 0.0) {
     // The buffer is s[2] when centered, else s[1]; constant indices keep s[] in registers in the CUDA kernels.
-    const float buf = (o.centered ? s[2] : s[1]) * k.momentum + g / avg;
+    const float buf = (o.centered ? s[2] : s[1]) * k.momentum + Math::divide(g, avg);
     if (o.centered) s[2] = buf;
     else s[1] = buf;
     p = p + (-k.lr) * buf;
   } else {
-    p = p + (-k.lr) * (g / avg);
+    p = p + (-k.lr) * Math::divide(g, avg);
   }
 }
 
+template <class Math>
 GS_HD void adagrad(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (o.maximize) g = -g;
   if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
   const float sum = s[0] + g * g;
   s[0] = sum;
-  p = p + k.neg_adagrad_lr * (g / (sqrt_f(sum) + k.eps));
+  p = p + k.neg_adagrad_lr * Math::divide(g, Math::sqrt(sum) + k.eps);
 }
 
 // Lion (Chen et al. 2023, Algorithm 2): the sign of an interpolation, decoupled weight decay.
@@ -175,12 +224,16 @@ GS_HD void lion(const OptimOptions& o, const Coefficients& k, float g, float& p,
 }
 
 // AdEMAMix (Pagliardini et al. 2024, Algorithm 1): a fast and a slow EMA of the gradient, mixed by alpha.
+template <class Math>
 GS_HD void ademamix(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (o.maximize) g = -g;
   const float m1 = k.beta1 * s[0] + k.one_minus_beta1 * g;
   const float m2 = k.beta3 * s[1] + k.one_minus_beta3 * g;
   const float v = k.beta2 * s[2] + k.one_minus_beta2 * (g * g);
-  const float update = (m1 / k.bias_correction1 + k.mix_alpha * m2) / (sqrt_f(v) / k.bias_correction2_sqrt + k.eps);
+  const float denom =
+      Math::divide_by_constant(Math::sqrt(v), k.bias_correction2_sqrt, k.inverse_bias_correction2_sqrt) + k.eps;
+  const float update =
+      Math::divide(Math::divide_by_constant(m1, k.bias_correction1, k.inverse_bias_correction1) + k.mix_alpha * m2, denom);
   p = p - k.lr * (update + k.weight_decay * p);
   s[0] = m1;
   s[1] = m2;
@@ -189,19 +242,22 @@ GS_HD void ademamix(const OptimOptions& o, const Coefficients& k, float g, float
 
 // One element of element-wise algorithm A. A is a template argument so that a kernel's element loop holds
 // one algorithm's arithmetic without branches between elements (the 8-bit kernels are instruction-bound).
-template <OptimAlgorithm A>
+template <OptimAlgorithm A, class Math = ExactMath>
 GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
-  if constexpr (A == OptimAlgorithm::Adam) adam(o, k, g, p, s, false);
-  else if constexpr (A == OptimAlgorithm::AdamW) adam(o, k, g, p, s, true);
+  if constexpr (A == OptimAlgorithm::Adam) adam<Math>(o, k, g, p, s, false);
+  else if constexpr (A == OptimAlgorithm::AdamW) adam<Math>(o, k, g, p, s, true);
   else if constexpr (A == OptimAlgorithm::SGD) sgd(o, k, g, p, s);
-  else if constexpr (A == OptimAlgorithm::RMSprop) rmsprop(o, k, g, p, s);
-  else if constexpr (A == OptimAlgorithm::Adagrad) adagrad(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::RMSprop) rmsprop<Math>(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::Adagrad) adagrad<Math>(o, k, g, p, s);
   else if constexpr (A == OptimAlgorithm::Lion) lion(o, k, g, p, s);
-  else if constexpr (A == OptimAlgorithm::AdEMAMix) ademamix(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::AdEMAMix) ademamix<Math>(o, k, g, p, s);
   else static_assert(A == OptimAlgorithm::AdEMAMix, "LAMB and LARS use the layer-wise rules below");
 }
 
 GS_HD constexpr bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
+
+// Whether element-wise algorithm a takes square roots and quotients (so that a Math choice changes its code).
+GS_HD constexpr bool takes_roots(OptimAlgorithm a) { return a != OptimAlgorithm::SGD && a != OptimAlgorithm::Lion; }
 
 // The one switch over algorithms: calls f(AlgorithmTag<a>{}), so f can pick a rule at compile time.
 template <OptimAlgorithm A>
