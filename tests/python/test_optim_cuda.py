@@ -203,9 +203,13 @@ def test_cuda_matches_cpu(case, dtype, skip_zeros):
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
 def test_8bit_cuda_matches_cpu(case, dtype, block_size):
     """8-bit states, every parameter quantised (min_8bit_size=0), sizes that end in partial blocks and
-    chunks, unaligned pointers, scattered zeros with skip_zeros on. After 10 steps: codes differ by at most
-    one step of the map and absmax within 1e-5 (the same rules in the same fp32 arithmetic; LAMB/LARS norms
-    are summed in a different order), fp32 params within 1e-5, bf16 params within 2 ulps."""
+    chunks, unaligned pointers, scattered zeros with skip_zeros on. 10 steps, each compared from the same
+    start: after each step codes differ by at most one step of the map, absmax within 1e-5, fp32 params within
+    1e-5, bf16 params within 2 ulps; then the CPU takes the CUDA optimizer's params and states for the next step.
+    Why each step from the same start: the CUDA element-wise kernels take FastMath (rules.h: approximate square
+    root and reciprocal), a few fp32 ulps from the CPU's IEEE arithmetic, which now and then moves a code by one
+    step; that element's later updates then differ by up to a map step (a few percent), which over 10 steps
+    says nothing about the arithmetic. (LAMB/LARS: their norms are summed in a different order.)"""
     seed = stable_seed("8bit-cuda-vs-cpu", case, str(dtype), block_size)
     params_cpu = make_params(SHAPES, dtype, make_generator(seed), offsets=OFFSETS)
     params_cuda = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
@@ -213,28 +217,34 @@ def test_8bit_cuda_matches_cpu(case, dtype, block_size):
     extra = dict(skip_zeros=True, state_bits=8, min_8bit_size=0, block_size=block_size)
     opt_cpu, opt_cuda = make_opt(case, params_cpu, **extra), make_opt(case, params_cuda, **extra)
     gen = make_generator(seed + 1)
-    largest = LargestMagnitude(params_cpu)
     for step in range(10):
         values = draw_grads(params_cpu, dtype, gen, zero_fraction=0.2)
         copy_into(grads_cpu, values)
         copy_into(grads_cuda, values)
+        largest = LargestMagnitude(params_cpu)
         opt_cpu.step()
         opt_cuda.step()
         largest.update(params_cpu)
-    torch.cuda.synchronize()
-    for i, (c, h) in enumerate(zip(params_cuda, params_cpu)):
-        what = f"{case} {dtype} block {block_size} param {i}"
-        if dtype == torch.float32:
-            assert_rel_close(c, h, TOL, what)
-        else:
-            assert_within_ulps(c.detach().cpu(), h, 2, what, scale=largest.values[i])
-        sc, sh = opt_cuda.state[c], opt_cpu.state[h]
-        assert sc.keys() == sh.keys(), what
-        for name in [k for k in sh if isinstance(sh[k], torch.Tensor) and sh[k].dtype == torch.uint8]:
-            codes_c, codes_h = sc[name].cpu().long(), sh[name].long()
-            assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
-            assert_rel_close(sc[f"{name}_absmax"], sh[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
-        assert float(sc["step"]) == float(sh["step"]) == 10
+        torch.cuda.synchronize()
+        for i, (c, h) in enumerate(zip(params_cuda, params_cpu)):
+            what = f"{case} {dtype} block {block_size} step {step + 1} param {i}"
+            if dtype == torch.float32:
+                assert_rel_close(c, h, TOL, what)
+            else:
+                assert_within_ulps(c.detach().cpu(), h, 2, what, scale=largest.values[i])
+            sc, sh = opt_cuda.state[c], opt_cpu.state[h]
+            assert sc.keys() == sh.keys(), what
+            for name in [k for k in sh if isinstance(sh[k], torch.Tensor) and sh[k].dtype == torch.uint8]:
+                codes_c, codes_h = sc[name].cpu().long(), sh[name].long()
+                assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
+                assert_rel_close(sc[f"{name}_absmax"], sh[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
+            assert float(sc["step"]) == float(sh["step"]) == step + 1
+            # the next step starts from CUDA's values on both backends
+            with torch.no_grad():
+                h.copy_(c.cpu())
+            for name, value in sc.items():
+                if isinstance(value, torch.Tensor) and name != "step":
+                    sh[name].copy_(value.cpu())
 
 
 @pytest.mark.parametrize("signed", [True, False])
