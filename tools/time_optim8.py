@@ -1,13 +1,10 @@
 """The 8-bit rows of `graphsafe bench --suite optim` alone (a quick check while tuning the 8-bit kernels on
-the GPU machine): python3 tools/time_optim8.py [--all-algorithms] [--exact-math].
---exact-math sets eps = 0 for the algorithms that take one, which makes the CUDA 8-bit kernels take ExactMath
-instead of FastMath (src/optim/rules.h): an A/B of the two in one lease."""
+the GPU machine): python3 tools/time_optim8.py [--all-algorithms]."""
 import sys
 
 import torch
 
 from graphsafe.bench.harness import BenchContext
-from graphsafe.bench import optim as bench_optim
 from graphsafe.bench.optim import eight_bit_cases, measure_method
 from graphsafe.bench.timing import default_timer_config, measure_copy_bandwidth
 
@@ -17,9 +14,6 @@ ctx = BenchContext(device, False, timer, measure_copy_bandwidth(device, timer), 
 cases = eight_bit_cases(False)
 if "--all-algorithms" not in sys.argv:
     cases = [c for c in cases if c.algorithm == "AdamW"]
-if "--exact-math" in sys.argv:
-    for name in ("Adam", "AdamW", "RMSprop", "Adagrad", "AdEMAMix"):
-        bench_optim.OPTIONS[name] = {**bench_optim.OPTIONS.get(name, {}), "eps": 0.0}
 print(f"copy bandwidth {ctx.copy_bw_gbps:.0f} GB/s")
 for case in cases:
     r = measure_method(ctx, case, "graphsafe")

@@ -398,28 +398,6 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
   }
 }
 
-// Asynchronous copies from global to shared memory (cp.async) of Bytes = 4, 8 or 16 bytes, both addresses
-// aligned to Bytes; the copying thread sees the data after wait_async_copies(). (Emulated: a plain copy.)
-template <int Bytes>
-__device__ void copy_async(void* shared, const void* global) {
-  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
-#if defined(__CUDA_ARCH__)
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  if constexpr (Bytes == 16)  // .cg: through L2 only (the step reads every byte once)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(to), "l"(global), "n"(Bytes) : "memory");
-#else
-  memcpy(shared, global, Bytes);
-#endif
-}
-
-__device__ void wait_async_copies() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // The 8-bit writing pass over a whole chunk (kChunkElements elements) of a tensor whose parameters and
 // gradients take 16-byte accesses and whose codes take piece-sized ones, with quantisation blocks of whole warps
 // (block_size a multiple of 256): nearly all of a large step. Same results as for_each_quantized_element (the
@@ -435,74 +413,37 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
                                                            const BlockWork& w, int block_size,
                                                            const QuantizationMap* maps, Body body) {
   constexpr int kPiece = 16 / int(sizeof(T)), kPieces = 8 / kPiece, kPieceStride = 32 * kPiece;
-  constexpr int kPass = kThreads * 8, kStates = States > 0 ? States : 1;
   __shared__ float exchange[States + 1][kThreads / 32];
-  // The second pass's gradients, parameters and codes, copied in while the first pass computes.
-  __shared__ Pack<T, kPiece> staged_g[kPieces][kThreads], staged_p[kPieces][kThreads];
-  __shared__ Pack<uint8_t, kPiece> staged_codes[kStates][kPieces][kThreads];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_block = block_size / 256;
   const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
   T* param = static_cast<T*>(table.param[w.tensor]) + w.begin;
   const T* grad = static_cast<const T*>(table.grad[w.tensor]) + w.begin;
-  const int own = warp * 256 + lane * kPiece;  // this thread's first element in a pass; piece k at own + k * kPieceStride
-  // The kernel was latency-bound (on the H200 a third of the issue cycles found no warp ready): each pass
-  // waited for its own loads. So before the first pass computes, every thread starts asynchronous copies
-  // (cp.async) of its pieces of the second pass into shared memory, and the second pass reads them there.
-  // Each thread reads back only what it copied itself: no barrier, only a wait for its own copies.
-#pragma unroll
-  for (int k = 0; k < kPieces; ++k) {
-    copy_async<16>(&staged_g[k][threadIdx.x], grad + kPass + own + k * kPieceStride);
-    copy_async<16>(&staged_p[k][threadIdx.x], param + kPass + own + k * kPieceStride);
-#pragma unroll
-    for (int j = 0; j < States; ++j)
-      copy_async<kPiece>(&staged_codes[j][k][threadIdx.x],
-                         static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin + kPass + own + k * kPieceStride);
-  }
-  float scales[2][kStates];  // both passes' block scales, loaded up front too
-#pragma unroll
-  for (int j = 0; j < States; ++j)
-#pragma unroll
-    for (int q = 0; q < 2; ++q) scales[q][j] = table.absmax[j][w.tensor][(w.begin + q * kPass + warp * 256) >> block_shift];
-  for (int q = 0; q < 2; ++q) {
-    const int pass = q * kPass, warp_first = pass + warp * 256, first = pass + own;
+  for (int pass = 0; pass < int(kChunkElements); pass += kThreads * 8) {
+    const int warp_first = pass + warp * 256, first = warp_first + lane * kPiece;  // piece k at first + k * kPieceStride
     const int64_t quant_block = (w.begin + warp_first) >> block_shift;
     float g[8], p[8], s[8][4] = {};
-    Pack<T, kPiece> g_raw[kPieces], p_raw[kPieces];  // p_raw: skipped elements are stored back with their own bits
-    Pack<uint8_t, kPiece> c_raw[kStates][kPieces];
-    if (q == 0) {
+    Pack<T, kPiece> p_raw[kPieces];  // the parameters as loaded: skipped elements are stored back with their own bits
 #pragma unroll
-      for (int k = 0; k < kPieces; ++k) {
-        g_raw[k] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(grad + first + k * kPieceStride));
-        p_raw[k] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(param + first + k * kPieceStride));
+    for (int k = 0; k < kPieces; ++k) {
+      const Pack<T, kPiece> g_raw = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(grad + first + k * kPieceStride));
+      p_raw[k] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(param + first + k * kPieceStride));
 #pragma unroll
-        for (int j = 0; j < States; ++j)
-          c_raw[j][k] = load_streaming(reinterpret_cast<const Pack<uint8_t, kPiece>*>(
-              static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin + first + k * kPieceStride));
-      }
-    } else {
-      wait_async_copies();
-#pragma unroll
-      for (int k = 0; k < kPieces; ++k) {
-        g_raw[k] = staged_g[k][threadIdx.x];
-        p_raw[k] = staged_p[k][threadIdx.x];
-#pragma unroll
-        for (int j = 0; j < States; ++j) c_raw[j][k] = staged_codes[j][k][threadIdx.x];
+      for (int i = 0; i < kPiece; ++i) {
+        g[k * kPiece + i] = ElementTraits<T>::load(g_raw.v[i]);
+        p[k * kPiece + i] = ElementTraits<T>::load(p_raw[k].v[i]);
       }
     }
 #pragma unroll
-    for (int k = 0; k < kPieces; ++k)
-#pragma unroll
-      for (int i = 0; i < kPiece; ++i) {
-        g[k * kPiece + i] = ElementTraits<T>::load(g_raw[k].v[i]);
-        p[k * kPiece + i] = ElementTraits<T>::load(p_raw[k].v[i]);
-      }
-#pragma unroll
     for (int j = 0; j < States; ++j) {
       const QuantizationMap& map = maps[state_is_signed(o, j) ? 1 : 0];
+      const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin;
+      const float scale = table.absmax[j][w.tensor][quant_block];
 #pragma unroll
-      for (int k = 0; k < kPieces; ++k)
+      for (int k = 0; k < kPieces; ++k) {
+        const Pack<uint8_t, kPiece> c = load_streaming(reinterpret_cast<const Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride));
 #pragma unroll
-        for (int i = 0; i < kPiece; ++i) s[k * kPiece + i][j] = dequantize_value(map, c_raw[j][k].v[i], scales[q][j]);
+        for (int i = 0; i < kPiece; ++i) s[k * kPiece + i][j] = dequantize_value(map, c.v[i], scale);
+      }
     }
     bool any = false;
 #pragma unroll
