@@ -211,8 +211,8 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
 // reference_code's code of x, found in constant time and without branches (the 8-bit kernels are
 // instruction-bound): the table entry of |x| names the smaller, c, of the (at most) two codes its floats get,
 // and x gets c + 1 exactly when it is at or above threshold[c], where the code changes (the tie rule is in the
-// thresholds). NaN gives the code of 0. Two shared-memory reads, two comparisons and integer arithmetic.
-// quantize_number is that code for an x that is not NaN.
+// thresholds). Two shared-memory reads, a comparison and integer arithmetic. quantize_number is that code for
+// an x that is not NaN; quantize_value also gives NaN the code of 0.
 GS_HD uint8_t quantize_number(const QuantizationMap& m, float x) {
   const uint32_t bits = float_bits(x);
   const int lower = m.lower_code[table_entry(bits_float(bits & 0x7fffffffu))][bits >> 31];
@@ -282,7 +282,8 @@ GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absma
 // One quantisation block of n values in one thread: writes their codes, returns the block's absmax. The CPU
 // step and the CPU's standalone quantisation use it; CUDA's standalone quantize_kernel runs the same loop
 // (tests/cpp/emulation compares the two bit for bit), and the CUDA step shares a block among threads
-// (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish / quantize_value.
+// (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish and quantize_number
+// (codes_of_block: the code of 0 for a whole NaN block, as quantize_value gives it per value).
 GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
   float raw = 0.0f;
   for (int64_t i = 0; i < n; ++i) raw = absmax_step(raw, values[i]);

@@ -191,7 +191,7 @@ __device__ void for_each_element(const TensorTable& table, const BlockWork& w, B
 // ---- 8-bit states ----
 
 // The two maps with their bucket tables (blockwise.h), copied from constant memory into the block's shared
-// memory (quantize_value and dequantize_value read them at data-dependent positions). Called by every
+// memory (quantize_number and dequantize_value read them at data-dependent positions). Called by every
 // thread of the block.
 __constant__ QuantizationMap kDeviceMaps[2] = {make_quantization_map(false), make_quantization_map(true)};
 static_assert(sizeof(QuantizationMap) % 4 == 0, "the maps are copied as 32-bit words");

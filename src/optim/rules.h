@@ -4,7 +4,8 @@
 // The CPU backend loops over elements; the CUDA backend calls the same functions from its kernels.
 // Formulas follow torch.optim where torch has the algorithm (same operations in the same order, and the
 // same fp32 constants: torch forms 1 - beta, lr / bias_correction, ... in double and rounds once; so does
-// `coefficients`), and the papers otherwise. docs/optim.md writes them out.
+// `coefficients`), and the papers otherwise. docs/optim.md writes them out. One exception: the CUDA 8-bit
+// element-wise kernels take square roots and quotients the GPU's approximate way (FastMath below).
 #pragma once
 
 #include <cmath>
@@ -46,9 +47,10 @@ GS_HD float lerp(float self, float end, float weight) {
 // FastMath: the CUDA 8-bit element-wise kernels, which are instruction-bound (an IEEE square root and
 //   division take about 10 instructions each, with a branch to a slow path; these take 1 to 4). On the GPU:
 //   the approximate square root (sqrt.approx.f32, relative error within 2^-23, subnormals handled), quotients
-//   as a times the approximate reciprocal of b (rcp.approx.ftz.f32, within 1 ulp; b must be a normal float:
-//   every divisor of the rules below is at least eps, and the kernels take FastMath only when eps is normal,
-//   fast_math_applies), and a division by a per-tensor constant as a multiply by its inverse (formed in
+//   as a times the approximate reciprocal of b (rcp.approx.ftz.f32, within 1 ulp; b and 1 / b must be normal
+//   floats, or b infinite: every divisor of the rules below is at least eps and at most eps + 1.8e27 (the
+//   square root of a float, times at most 1 / sqrt(2^-53)) or infinite, and the kernels take FastMath only for
+//   eps in [FLT_MIN, 1e30], fast_math_applies), and a division by a per-tensor constant as a multiply by its inverse (formed in
 //   double). So CUDA's 8-bit steps differ from the CPU's by a few fp32 ulps of each update, well inside one
 //   quantisation step; each backend stays bitwise repeatable. On the host FastMath is ExactMath (the CPU
 //   backend's bits, and CI's emulation of the kernels, are those of the exact rules).
@@ -76,8 +78,9 @@ struct FastMath {
 struct FastMath : ExactMath {};
 #endif
 
-// Whether FastMath may serve a step with these options: its reciprocal needs normal divisors (>= eps).
-GS_HD bool fast_math_applies(const OptimOptions& o) { return o.eps >= 1.1754943508222875e-38; }
+// Whether FastMath may serve a step with these options: its reciprocal flushes subnormal inputs and results,
+// so the divisors (in [eps, eps + 1.8e27], or infinite) must stay between FLT_MIN and 2^126.
+GS_HD bool fast_math_applies(const OptimOptions& o) { return o.eps >= 1.1754943508222875e-38 && o.eps <= 1e30; }
 
 // skip_zeros tests the raw gradient element: +0.0 and -0.0 are skipped, NaN is not.
 GS_HD bool skipped(const OptimOptions& o, float raw_grad) { return o.skip_zeros && raw_grad == 0.0f; }

@@ -204,8 +204,9 @@ def test_cuda_matches_cpu(case, dtype, skip_zeros):
 def test_8bit_cuda_matches_cpu(case, dtype, block_size):
     """8-bit states, every parameter quantised (min_8bit_size=0), sizes that end in partial blocks and
     chunks, unaligned pointers, scattered zeros with skip_zeros on. 10 steps, each compared from the same
-    start: after each step codes differ by at most one step of the map, absmax within 1e-5, fp32 params within
-    1e-5, bf16 params within 2 ulps; then the CPU takes the CUDA optimizer's params and states for the next step.
+    start: after each step codes differ by at most one step of the map (and at most one in a hundred of them,
+    or one), absmax within 1e-5, fp32 params within 1e-5, bf16 params within 2 ulps; then the CPU takes the
+    CUDA optimizer's params and states for the next step.
     Why each step from the same start: the CUDA element-wise kernels take FastMath (rules.h: approximate square
     root and reciprocal), a few fp32 ulps from the CPU's IEEE arithmetic, which now and then moves a code by one
     step; that element's later updates then differ by up to a map step (a few percent), which over 10 steps
@@ -237,6 +238,10 @@ def test_8bit_cuda_matches_cpu(case, dtype, block_size):
             for name in [k for k in sh if isinstance(sh[k], torch.Tensor) and sh[k].dtype == torch.uint8]:
                 codes_c, codes_h = sc[name].cpu().long(), sh[name].long()
                 assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
+                # a few ulps move a code only near a decision point: rarely (an error in what CUDA stores, even
+                # one below a map step, would move many)
+                differing = int((codes_c != codes_h).sum())
+                assert differing <= max(1, codes_h.numel() // 100), f"{what} {name}: {differing} codes differ"
                 assert_rel_close(sc[f"{name}_absmax"], sh[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
             assert float(sc["step"]) == float(sh["step"]) == step + 1
             # the next step starts from CUDA's values on both backends
