@@ -199,6 +199,19 @@ def test_cuda_matches_cpu(case, dtype, skip_zeros):
 # --------------------------------------------------------------------------------------------------------
 
 
+def assert_8bit_states_close(state_cuda, state_cpu, what):
+    """One parameter's 8-bit states on both backends: the same names; codes within one map step and at most
+    1 in 100 of them (or one) moved (a few ulps move a code only near a decision point, rarely; an error in
+    what CUDA stores, even one below a map step, would move many); absmax within TOL."""
+    assert state_cuda.keys() == state_cpu.keys(), what
+    for name in [k for k in state_cpu if isinstance(state_cpu[k], torch.Tensor) and state_cpu[k].dtype == torch.uint8]:
+        codes_c, codes_h = state_cuda[name].cpu().long(), state_cpu[name].long()
+        assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
+        differing = int((codes_c != codes_h).sum())
+        assert differing <= max(1, codes_h.numel() // 100), f"{what} {name}: {differing} codes differ"
+        assert_rel_close(state_cuda[f"{name}_absmax"], state_cpu[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
+
+
 @pytest.mark.parametrize("block_size", [32, 256, 1024])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
@@ -235,15 +248,7 @@ def test_8bit_cuda_matches_cpu(case, dtype, block_size):
             else:
                 assert_within_ulps(c.detach().cpu(), h, 2, what, scale=largest.values[i])
             sc, sh = opt_cuda.state[c], opt_cpu.state[h]
-            assert sc.keys() == sh.keys(), what
-            for name in [k for k in sh if isinstance(sh[k], torch.Tensor) and sh[k].dtype == torch.uint8]:
-                codes_c, codes_h = sc[name].cpu().long(), sh[name].long()
-                assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
-                # a few ulps move a code only near a decision point: rarely (an error in what CUDA stores, even
-                # one below a map step, would move many)
-                differing = int((codes_c != codes_h).sum())
-                assert differing <= max(1, codes_h.numel() // 100), f"{what} {name}: {differing} codes differ"
-                assert_rel_close(sc[f"{name}_absmax"], sh[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
+            assert_8bit_states_close(sc, sh, what)
             assert float(sc["step"]) == float(sh["step"]) == step + 1
             # the next step starts from CUDA's values on both backends
             with torch.no_grad():
@@ -277,13 +282,7 @@ def test_8bit_exact_math_fallback_matches_cpu(case):
     for i, (c, h) in enumerate(zip(params_cuda, params_cpu)):
         what = f"{case} eps 2e30 param {i}"
         assert_rel_close(c, h, TOL, what)
-        sc, sh = opt_cuda.state[c], opt_cpu.state[h]
-        for name in [k for k in sh if isinstance(sh[k], torch.Tensor) and sh[k].dtype == torch.uint8]:
-            codes_c, codes_h = sc[name].cpu().long(), sh[name].long()
-            assert int((codes_c - codes_h).abs().max()) <= 1, f"{what} {name}: codes differ by more than one step"
-            differing = int((codes_c != codes_h).sum())
-            assert differing <= max(1, codes_h.numel() // 100), f"{what} {name}: {differing} codes differ"
-            assert_rel_close(sc[f"{name}_absmax"], sh[f"{name}_absmax"], TOL, f"{what} {name}_absmax")
+        assert_8bit_states_close(opt_cuda.state[c], opt_cpu.state[h], what)
 
 
 @pytest.mark.parametrize("signed", [True, False])
