@@ -194,12 +194,14 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         pending: list[Callable[[], None]] = []
         for group in self.param_groups:
-            buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+            # (param, grad) pairs per (device, dtype); each gradient is fetched once per step
+            buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = defaultdict(list)
             for p in group["params"]:
-                if p.grad is not None:
-                    buckets[(p.device, p.dtype)].append(p)
-            for (device, dtype), params in buckets.items():
-                pending.append(self._prepare_bucket(group, device, dtype, params))
+                g = p.grad
+                if g is not None:
+                    buckets[(p.device, p.dtype)].append((p, g))
+            for (device, dtype), pairs in buckets.items():
+                pending.append(self._prepare_bucket(group, device, dtype, pairs))
         # Every bucket of every group is checked before the first one is stepped: a step that raises leaves
         # all parameters and their existing states as they were.
         for issue in pending:
@@ -207,9 +209,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         return loss
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                        params: list[Tensor]) -> Callable[[], None]:
-        """Checks one (device, dtype) bucket of a group and gathers what the core needs; returns the function
-        that steps it."""
+                        pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+        """Checks one (device, dtype) bucket of a group, (param, grad) pairs, and gathers what the core needs;
+        returns the function that steps it."""
         options = self._core_options(group)
         # Validated before anything changes (a rejected step changes nothing); once per group while its
         # options stay the same. The entry holds the group itself, so its id cannot be reused meanwhile.
@@ -231,9 +233,11 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         contiguous_copies = []  # alive until the core calls have been issued
         all_states = self.state
         state_len = {32: len(names) + 1, 8: 3 * len(names) + 2}  # step (+ block_size), and per name 1 or 3
-        for p in params:
-            g = p.grad
-            if not (g.layout is torch.strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
+        # What _is_8bit asks, read once per bucket (this loop runs for every parameter on every step).
+        any_8bit, min_8bit_size, block_size = group["state_bits"] == 8, group["min_8bit_size"], group["block_size"]
+        strided = torch.strided
+        for p, g in pairs:
+            if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
                 self._reject_grad(p, g)
             if not p.is_contiguous():  # checked at construction, but p.data can be replaced since
                 raise ValueError(f"{type(self).__name__}: parameters must be contiguous (the step updates them in "
@@ -241,10 +245,11 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if not g.is_contiguous():
                 g = g.contiguous()
                 contiguous_copies.append(g)
-            eight = self._is_8bit(group, p)
+            numel = p.numel()
+            eight = any_8bit and numel >= min_8bit_size
             bits = 8 if eight else 32
             state = all_states[p]
-            if len(state) != state_len[bits] or (eight and state.get("block_size") != group["block_size"]):
+            if len(state) != state_len[bits] or (eight and state.get("block_size") != block_size):
                 state = self._state_of(group, p, names, eight)
             try:
                 addresses = _state_addresses(state, names, eight)
@@ -257,7 +262,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if eight:
                 absmax_ptrs.append(addresses[1])
             step_ptrs.append(addresses[2])
-            numels.append(p.numel())
+            numels.append(numel)
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
             if not isinstance(lr, Tensor) and float(lr) < 0.0:
