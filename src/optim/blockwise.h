@@ -274,7 +274,7 @@ GS_HD BlockScale block_scale(float absmax) {
 // A normalized value is NaN only in a block whose absmax is NaN: otherwise no value is NaN, |value| <= absmax,
 // and the inverse is finite (0 only for an all-zero block), so the product is a number (±inf for ±inf with
 // absmax FLT_MAX). The CUDA step relies on it: it quantises with quantize_number and gives a NaN block the
-// code of 0 throughout (codes_of_block), instead of testing every value for NaN.
+// code of 0 throughout (cuda.cu, Requantizer), instead of testing every value for NaN.
 GS_HD float normalized(float value, const BlockScale& b) { return (value * b.prescale) * b.inverse; }
 
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
@@ -283,7 +283,7 @@ GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absma
 // step and the CPU's standalone quantisation use it; CUDA's standalone quantize_kernel runs the same loop
 // (tests/cpp/emulation compares the two bit for bit), and the CUDA step shares a block among threads
 // (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish and quantize_number
-// (codes_of_block: the code of 0 for a whole NaN block, as quantize_value gives it per value).
+// (cuda.cu's Requantizer: the code of 0 for a whole NaN block, as quantize_value gives it per value).
 GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
   float raw = 0.0f;
   for (int64_t i = 0; i < n; ++i) raw = absmax_step(raw, values[i]);

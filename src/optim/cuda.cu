@@ -252,15 +252,32 @@ __device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&va
   group_max(reduced, group, exchange);
 }
 
-// The codes of N normalized values of one quantisation block with absmax `absmax` (as quantize_value gives
-// them; blockwise.h, normalized, says why a block's values are NaN only where its absmax is).
-template <int N>
-__device__ Pack<uint8_t, N> codes_of_block(const QuantizationMap& map, bool is_signed, const float (&x)[N], float absmax) {
-  Pack<uint8_t, N> c;
+// Requantising state j of one quantisation block after a pass, shared by both 8-bit loops: from the raw
+// magnitude agree_on_block gathered, the block's new absmax and scale; codes<N>(s, first) are state j's
+// codes of elements first .. first + N - 1 of the thread's s[][] (as quantize_value gives them; blockwise.h,
+// normalized, says why a block's values are NaN only where its absmax is, so one test serves the block).
+struct Requantizer {
+  int j;
+  bool is_signed;
+  const QuantizationMap& map;
+  float absmax;
+  BlockScale scale;
+
+  __device__ Requantizer(const OptimOptions& o, const QuantizationMap* maps, int state, float raw_absmax)
+      : j(state), is_signed(state_is_signed(o, state)), map(maps[is_signed ? 1 : 0]),
+        absmax(absmax_finish(raw_absmax)), scale(block_scale(absmax)) {}
+
+  template <int N, int V>
+  __device__ Pack<uint8_t, N> codes(const float (&s)[V][4], int first) const {
+    float x[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) c.v[i] = absmax == absmax ? quantize_number(map, x[i]) : uint8_t(zero_code(is_signed));
-  return c;
-}
+    for (int i = 0; i < N; ++i) x[i] = normalized(s[first + i][j], scale);
+    Pack<uint8_t, N> c;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c.v[i] = absmax == absmax ? quantize_number(map, x[i]) : uint8_t(zero_code(is_signed));
+    return c;
+  }
+};
 
 // N elements of type T at p (aligned to min(16, N * sizeof(T)) bytes), loaded or stored in 16-byte (or
 // smaller) streaming pieces.
@@ -377,22 +394,16 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
       if (reduced[0] == 0.0f || base >= w.end) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
-        const float new_scale = absmax_finish(reduced[1 + j]);
-        const BlockScale block = block_scale(new_scale);
-        const bool is_signed = state_is_signed(o, j);
-        const QuantizationMap& map = maps[is_signed ? 1 : 0];
+        const Requantizer q(o, maps, j, reduced[1 + j]);
         uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
-        float x[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) x[e] = normalized(s[e][j], block);
-        const Pack<uint8_t, V> c = codes_of_block(map, is_signed, x, new_scale);
+        const Pack<uint8_t, V> c = q.codes<V>(s, 0);
         if (full && wide_codes) {
           store_pack<uint8_t, V>(codes + base, c);
         } else {
 #pragma unroll
           for (int e = 0; e < V; ++e) if (valid[e]) codes[base + e] = c.v[e];
         }
-        if ((base & (block_size - 1)) == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+        if ((base & (block_size - 1)) == 0) table.absmax[j][w.tensor][quant_block] = q.absmax;
       }
     }
   }
@@ -472,20 +483,13 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
       if (reduced[0] == 0.0f) continue;  // all skipped: codes and absmax stay as they are
 #pragma unroll
       for (int j = 0; j < States; ++j) {
-        const float new_scale = absmax_finish(reduced[1 + j]);
-        const BlockScale block = block_scale(new_scale);
-        const bool is_signed = state_is_signed(o, j);
-        const QuantizationMap& map = maps[is_signed ? 1 : 0];
+        const Requantizer q(o, maps, j, reduced[1 + j]);
         uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]) + w.begin;
 #pragma unroll
-        for (int k = 0; k < kPieces; ++k) {
-          float x[kPiece];
-#pragma unroll
-          for (int i = 0; i < kPiece; ++i) x[i] = normalized(s[k * kPiece + i][j], block);
+        for (int k = 0; k < kPieces; ++k)
           store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride),
-                          codes_of_block(map, is_signed, x, new_scale));
-        }
-        if (lane == 0 && warp % warps_per_block == 0) table.absmax[j][w.tensor][quant_block] = new_scale;
+                          q.codes<kPiece>(s, k * kPiece));
+        if (lane == 0 && warp % warps_per_block == 0) table.absmax[j][w.tensor][quant_block] = q.absmax;
       }
     }
   }

@@ -124,7 +124,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     def _is_8bit(self, group: dict[str, Any], p: Tensor) -> bool:
         """Whether p keeps 8-bit states: state_bits=8 and at least min_8bit_size elements."""
-        return group["state_bits"] == 8 and p.numel() >= group["min_8bit_size"]
+        return _keeps_8bit(group["state_bits"] == 8, group["min_8bit_size"], p.numel())
 
     def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str], eight: bool,
                   loading: bool = False) -> dict[str, Any]:
@@ -233,7 +233,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         contiguous_copies = []  # alive until the core calls have been issued
         all_states = self.state
         state_len = {32: len(names) + 1, 8: 3 * len(names) + 2}  # step (+ block_size), and per name 1 or 3
-        # What _is_8bit asks, read once per bucket (this loop runs for every parameter on every step).
+        # What _is_8bit reads, read once per bucket (this loop runs for every parameter on every step).
         any_8bit, min_8bit_size, block_size = group["state_bits"] == 8, group["min_8bit_size"], group["block_size"]
         strided = torch.strided
         for p, g in pairs:
@@ -246,7 +246,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 g = g.contiguous()
                 contiguous_copies.append(g)
             numel = p.numel()
-            eight = any_8bit and numel >= min_8bit_size
+            eight = _keeps_8bit(any_8bit, min_8bit_size, numel)
             bits = 8 if eight else 32
             state = all_states[p]
             if len(state) != state_len[bits] or (eight and state.get("block_size") != block_size):
@@ -380,6 +380,11 @@ def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any)
     ops.check_block_size(block_size)
     if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 0:
         raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+
+
+def _keeps_8bit(state_bits_is_8: bool, min_8bit_size: int, numel: int) -> bool:
+    """The rule for which parameters keep 8-bit states: state_bits=8 and at least min_8bit_size elements."""
+    return state_bits_is_8 and numel >= min_8bit_size
 
 
 def _state_addresses(state: dict[str, Any], names: list[str], eight: bool) -> tuple[list[int], list[int], int]:
