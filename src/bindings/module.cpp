@@ -84,21 +84,22 @@ OptimAlgorithm algorithm_from_name(const std::string& name) {
 OptimOptions optim_options(const std::string& algorithm, const std::map<std::string, double>& values) {
   OptimOptions o;
   o.algorithm = algorithm_from_name(algorithm);
-  const std::map<std::string, double*> numbers = {
-      {"beta1", &o.beta1},         {"beta2", &o.beta2},
-      {"beta3", &o.beta3},         {"eps", &o.eps},
-      {"weight_decay", &o.weight_decay}, {"momentum", &o.momentum},
-      {"dampening", &o.dampening}, {"alpha", &o.alpha},
-      {"lr_decay", &o.lr_decay},   {"mix_alpha", &o.mix_alpha},
-      {"alpha_warmup", &o.alpha_warmup}, {"beta3_warmup", &o.beta3_warmup},
-      {"trust_coefficient", &o.trust_coefficient}};
-  const std::map<std::string, bool*> flags = {{"amsgrad", &o.amsgrad},     {"maximize", &o.maximize},
-                                              {"nesterov", &o.nesterov},   {"centered", &o.centered},
-                                              {"bias_correction", &o.bias_correction},
-                                              {"skip_zeros", &o.skip_zeros}};
+  // Built once: every eager step converts its options here.
+  static const std::map<std::string, double OptimOptions::*> numbers = {
+      {"beta1", &OptimOptions::beta1},         {"beta2", &OptimOptions::beta2},
+      {"beta3", &OptimOptions::beta3},         {"eps", &OptimOptions::eps},
+      {"weight_decay", &OptimOptions::weight_decay}, {"momentum", &OptimOptions::momentum},
+      {"dampening", &OptimOptions::dampening}, {"alpha", &OptimOptions::alpha},
+      {"lr_decay", &OptimOptions::lr_decay},   {"mix_alpha", &OptimOptions::mix_alpha},
+      {"alpha_warmup", &OptimOptions::alpha_warmup}, {"beta3_warmup", &OptimOptions::beta3_warmup},
+      {"trust_coefficient", &OptimOptions::trust_coefficient}};
+  static const std::map<std::string, bool OptimOptions::*> flags = {
+      {"amsgrad", &OptimOptions::amsgrad},   {"maximize", &OptimOptions::maximize},
+      {"nesterov", &OptimOptions::nesterov}, {"centered", &OptimOptions::centered},
+      {"bias_correction", &OptimOptions::bias_correction}, {"skip_zeros", &OptimOptions::skip_zeros}};
   for (const auto& [key, v] : values) {
-    if (auto n = numbers.find(key); n != numbers.end()) *n->second = v;
-    else if (auto f = flags.find(key); f != flags.end()) *f->second = v != 0.0;
+    if (auto n = numbers.find(key); n != numbers.end()) o.*(n->second) = v;
+    else if (auto f = flags.find(key); f != flags.end()) o.*(f->second) = v != 0.0;
     else throw std::invalid_argument("unknown optimizer option '" + key + "'");
   }
   return o;
@@ -208,40 +209,40 @@ NB_MODULE(_C, m) {
       [](const std::string& device_type, int device_index, std::uintptr_t stream, const std::string& algorithm,
          const std::map<std::string, double>& options, const std::string& param_dtype, std::uintptr_t lr,
          const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
-         const std::vector<std::vector<std::uintptr_t>>& states, const std::vector<std::uintptr_t>& steps,
-         const std::vector<int64_t>& numels, std::uintptr_t workspace, std::size_t workspace_bytes,
-         bool increment_steps, int state_bits, int block_size, const std::vector<std::vector<std::uintptr_t>>& absmax) {
+         const std::vector<std::uintptr_t>& states, const std::vector<std::uintptr_t>& absmax,
+         const std::vector<std::uintptr_t>& steps, const std::vector<int64_t>& numels, std::uintptr_t workspace,
+         std::size_t workspace_bytes, bool increment_steps, int state_bits, int block_size,
+         std::uintptr_t finish_counter) {
         const std::size_t count = params.size();
-        if (grads.size() != count || states.size() != count || steps.size() != count || numels.size() != count)
-          throw std::invalid_argument("optim_step: params, grads, states, steps and numels differ in length");
+        if (grads.size() != count || steps.size() != count || numels.size() != count)
+          throw std::invalid_argument("optim_step: params, grads, steps and numels differ in length");
         OptimStepArgs args;
         args.options = optim_options(algorithm, options);
         args.param_dtype = dtype_from_name(param_dtype);
         args.lr = static_cast<const float*>(as_pointer(lr));
         args.increment_steps = increment_steps;
+        args.finish_counter = static_cast<uint32_t*>(as_pointer(finish_counter));
         args.state_bits = state_bits;
         args.block_size = block_size;
-        if (state_bits == 8 && absmax.size() != count)
-          throw std::invalid_argument("optim_step: 8-bit states need one absmax list per tensor");
         const std::size_t state_count = static_cast<std::size_t>(optim_state_count(args.options));
+        if (states.size() != state_count * count)
+          throw std::invalid_argument("optim_step: " + std::to_string(states.size()) + " state addresses for " +
+                                      std::to_string(count) + " tensors of an algorithm that keeps " +
+                                      std::to_string(state_count) + " states each");
+        if (absmax.size() != (state_bits == 8 ? state_count * count : 0))
+          throw std::invalid_argument("optim_step: 8-bit states need one absmax address per state and tensor, "
+                                      "fp32 states none; got " + std::to_string(absmax.size()));
         std::vector<OptimTensor> tensors(count);
         for (std::size_t t = 0; t < count; ++t) {
-          if (states[t].size() != state_count)
-            throw std::invalid_argument("optim_step: tensor " + std::to_string(t) + " has " +
-                                        std::to_string(states[t].size()) + " states, the algorithm keeps " +
-                                        std::to_string(state_count));
           tensors[t].param = as_pointer(params[t]);
           tensors[t].grad = as_pointer(grads[t]);
           for (std::size_t j = 0; j < state_count; ++j) {
+            void* state = as_pointer(states[j * count + t]);
             if (state_bits == 8) {
-              if (absmax[t].size() != state_count)
-                throw std::invalid_argument("optim_step: tensor " + std::to_string(t) + " has " +
-                                            std::to_string(absmax[t].size()) + " absmax buffers, the algorithm keeps " +
-                                            std::to_string(state_count) + " states");
-              tensors[t].codes[j] = static_cast<uint8_t*>(as_pointer(states[t][j]));
-              tensors[t].absmax[j] = static_cast<float*>(as_pointer(absmax[t][j]));
+              tensors[t].codes[j] = static_cast<uint8_t*>(state);
+              tensors[t].absmax[j] = static_cast<float*>(as_pointer(absmax[j * count + t]));
             } else {
-              tensors[t].state[j] = static_cast<float*>(as_pointer(states[t][j]));
+              tensors[t].state[j] = static_cast<float*>(state);
             }
           }
           tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
@@ -258,12 +259,12 @@ NB_MODULE(_C, m) {
             });
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
-      nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"), nb::arg("steps"),
-      nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("increment_steps") = false,
-      nb::arg("state_bits") = 32, nb::arg("block_size") = 256,
-      nb::arg("absmax") = std::vector<std::vector<std::uintptr_t>>{},
-      "states: per tensor its fp32 state addresses, or with state_bits=8 its code (uint8) addresses; absmax: "
-      "per tensor its absmax addresses (8-bit only).");
+      nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
+      nb::arg("absmax"), nb::arg("steps"), nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"),
+      nb::arg("increment_steps"), nb::arg("state_bits"), nb::arg("block_size"), nb::arg("finish_counter"),
+      "states: the fp32 state addresses, or with state_bits=8 the codes' (uint8), state by state: state j of "
+      "tensor t at j * len(params) + t; absmax the same for the 8-bit scales (empty for fp32 states). "
+      "finish_counter: CUDA, the address of a zeroed uint32 (OptimStepArgs::finish_counter), or 0.");
 
   m.def(
       "quantization_map", [](bool is_signed) {

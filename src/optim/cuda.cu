@@ -4,7 +4,8 @@
 // graph keeps them, and no metadata is copied to the device). As many blocks as the GPU holds at once
 // take chunks of kChunkElements elements in turn, with 16-byte streaming accesses where alignment
 // allows. lr and each tensor's step are read from device memory inside the kernel; with increment_steps
-// one small launch ahead of the updates adds 1 to every step. Layer-wise algorithms (LAMB, LARS) run
+// and a finish counter the update's last block adds 1 to every step (finish_steps), without a counter one
+// small launch ahead of the updates does. Layer-wise algorithms (LAMB, LARS) run
 // three kernels: per-chunk squared norms (a fixed-order block reduction), per-tensor factor (one block
 // per tensor combines its chunks in a fixed order), and the update.
 #include <algorithm>
@@ -37,6 +38,10 @@ constexpr int kMaxTensors = 32;
 
 struct TensorTable {
   int count;
+  // With a finish counter (OptimStepArgs::finish_counter) the steps are read as they were before this step
+  // and 1 is added on reading (step_increment); the update's last block to finish writes step + 1 for all.
+  float step_increment;
+  uint32_t* finish_counter;
   void* param[kMaxTensors];
   const void* grad[kMaxTensors];
   void* state[4][kMaxTensors];   // fp32 states, or with 8-bit states their codes (uint8)
@@ -77,15 +82,37 @@ __device__ BlockWork block_work(const TensorTable& table, int64_t block) {
   return {t, begin, min(begin + kChunkElements, table.numel[t])};
 }
 
+// Tensor t's step number for this step's coefficients.
+__device__ float step_number(const TensorTable& table, int t) { return *table.step[t] + table.step_increment; }
+
 // Blocks loop over chunks (the grid is capped at what the GPU holds at once), so the coefficients, which
 // take double-precision powers, are formed once per tensor per block: by one thread, into shared memory.
 __device__ void share_coefficients(const OptimOptions& o, const float* lr, const TensorTable& table, int t,
                                    int& current, Coefficients& shared) {
   if (t == current) return;
   __syncthreads();  // everyone is done with the previous tensor's coefficients
-  if (threadIdx.x == 0) shared = coefficients(o, *lr, *table.step[t]);
+  if (threadIdx.x == 0) shared = coefficients(o, *lr, step_number(table, t));
   __syncthreads();
   current = t;
+}
+
+// The last kernel of a step with a finish counter ends with this in every block (no block returns early):
+// the block that finishes last, when every other block has read its steps (each block's thread 0 reads them,
+// share_coefficients, before this), adds 1 to every step of the table and sets the counter back to 0. The
+// fences order the other blocks' reads before the count, and the count before the writes.
+__device__ void finish_steps(const TensorTable& table) {
+  if (table.finish_counter == nullptr) return;
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(table.finish_counter, 1u) == gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  for (int i = threadIdx.x; i < table.count; i += blockDim.x) *table.step[i] += 1.0f;
+  if (threadIdx.x == 0) *table.finish_counter = 0;
 }
 
 #define GS_FOR_EACH_CHUNK(table, total_blocks, w) \
@@ -560,6 +587,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<32>)
       return true;
     });
   }
+  finish_steps(table);
 }
 
 // Element-wise algorithm A with 8-bit states: instruction-bound, so one kernel per algorithm (its registers
@@ -583,6 +611,7 @@ __global__ void __launch_bounds__(kThreads, QuantizedElementwiseBlocksPerSM<Math
       return true;
     });
   }
+  finish_steps(table);
 }
 
 // The block's per-thread norms added by a fixed tree (same bits on every run); every thread gets the sum.
@@ -646,7 +675,7 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const 
     mine.update += chunk_norms[2 * (first + c) + 1];
   }
   const SquaredNorms total = block_sum(mine, partial);
-  if (threadIdx.x == 0) factors[table.factor_index[t]] = layerwise_factor(o, coefficients(o, *lr, *table.step[t]), total);
+  if (threadIdx.x == 0) factors[table.factor_index[t]] = layerwise_factor(o, coefficients(o, *lr, step_number(table, t)), total);
 }
 
 // Layer-wise pass 2: LAMB forms and stores its new moments and updates; LARS updates its momentum.
@@ -668,9 +697,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(O
       });
     });
   }
+  finish_steps(table);
 }
 
-// Adds 1 to up to kMaxSteps steps: one launch ahead of the updates, for the step counts of all tensors.
+// Adds 1 to up to kMaxSteps steps: without a finish counter one launch ahead of the updates, for the step
+// counts of all tensors; with one, only for a table of empty tensors (no update kernel to count them in).
 constexpr int kMaxSteps = 480;
 struct StepTable {
   int count;
@@ -682,11 +713,12 @@ __global__ void increment_steps_kernel(StepTable table) {
   for (int i = threadIdx.x; i < table.count; i += blockDim.x) *table.step[i] += 1.0f;
 }
 
-void increment_steps(const OptimTensor* tensors, int count, cudaStream_t stream) {
+template <class Step>  // step(i): the i-th of count step pointers
+void increment_steps(int count, Step step, cudaStream_t stream) {
   for (int first = 0; first < count; first += kMaxSteps) {
     StepTable table{};
     table.count = std::min(kMaxSteps, count - first);
-    for (int i = 0; i < table.count; ++i) table.step[i] = tensors[first + i].step;
+    for (int i = 0; i < table.count; ++i) table.step[i] = step(first + i);
     GS_LAUNCH(increment_steps_kernel, 1, kThreads, stream, table);
     GS_CUDA_CHECK_LAUNCH();
   }
@@ -717,7 +749,10 @@ int64_t grid_for(Kernel kernel, int64_t blocks) {
 template <class T, int States, int Bits>
 void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t blocks, float* workspace,
                   std::size_t factors_offset, cudaStream_t stream) {
-  if (blocks == 0) return;
+  if (blocks == 0) {  // only empty tensors: no update to count their steps in
+    if (table.finish_counter != nullptr) increment_steps(table.count, [&](int i) { return table.step[i]; }, stream);
+    return;
+  }
   constexpr auto measure = &measure_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
   constexpr auto apply = &apply_kernel<T, States, Bits>;
   const OptimOptions& o = a.options;
@@ -752,18 +787,29 @@ void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t bloc
 template <class T, int States>
 void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
          std::size_t factors_offset, cudaStream_t stream) {
-  TensorTable table{};
+  // With a finish counter the update kernels count the steps, so empty tensors join the tables (no chunks)
+  // for their steps to be counted; otherwise they were counted ahead and are left out.
+  const bool kernels_count_steps = a.increment_steps && a.finish_counter != nullptr;
+  const auto new_table = [&] {
+    TensorTable table{};
+    if (kernels_count_steps) {
+      table.step_increment = 1.0f;
+      table.finish_counter = a.finish_counter;
+    }
+    return table;
+  };
+  TensorTable table = new_table();
   int64_t blocks = 0, chunk_base = 0;
   auto flush = [&]() {
     table.first_block[table.count] = blocks;
     if (a.state_bits == 8) launch_table<T, States, 8>(a, table, blocks, workspace, factors_offset, stream);
     else launch_table<T, States, 32>(a, table, blocks, workspace, factors_offset, stream);
-    table = TensorTable{};
+    table = new_table();
     blocks = 0;
   };
   for (int t = 0; t < count; ++t) {
     const OptimTensor& x = tensors[t];
-    if (x.numel == 0) continue;
+    if (x.numel == 0 && !kernels_count_steps) continue;
     const int i = table.count++;
     table.param[i] = x.param;
     table.grad[i] = x.grad;
@@ -841,7 +887,8 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
                                 " bytes is smaller than the " + std::to_string(needed) + " required");
   auto* ws = static_cast<float*>(workspace);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (a.increment_steps) increment_steps(tensors, count, s);
+  if (a.increment_steps && a.finish_counter == nullptr)
+    increment_steps(count, [&](int i) { return tensors[i].step; }, s);
   switch (a.param_dtype) {
     case DType::Float32: run_typed<float>(a, tensors, count, ws, layout.factors_offset, s); break;
     case DType::Float16: run_typed<f16_t>(a, tensors, count, ws, layout.factors_offset, s); break;

@@ -8,7 +8,8 @@
   failed) and every optional state enabled.
 * bitwise repeatability, also across OpenMP thread counts (LAMB/LARS norms have a fixed reduction order);
 * state_dict round trips through torch.save/torch.load into a fresh optimizer over fresh parameters;
-* state_bytes; parameters without grads; several dtypes in one param group; non-contiguous gradients.
+* state_bytes; parameters without grads; several dtypes in one param group; non-contiguous gradients;
+* the step's two ways of gathering a group (all parameters at once, or one by one) give the same bits.
 """
 
 from __future__ import annotations
@@ -541,3 +542,96 @@ def test_options_changed_between_steps_are_validated_again():
     with pytest.raises(ValueError):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The step's two ways of gathering a group: at once (the common case) and per parameter (everything else)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _run_recording_paths(case, params, grads_per_step, at_once_enabled, monkeypatch, **extra):
+    """run_steps, with the at-once gathering switched off (every group takes the per-parameter path) or
+    recorded: returns the optimizer and, per step, whether the at-once path served the group."""
+    from graphsafe.optim._base import GraphsafeOptimizer
+
+    original = GraphsafeOptimizer._prepare_group_at_once
+    served: list[bool] = []
+
+    def recording(self, group):
+        issue = original(self, group) if at_once_enabled else None
+        served.append(issue is not None)
+        return issue
+
+    monkeypatch.setattr(GraphsafeOptimizer, "_prepare_group_at_once", recording)
+    opt = run_steps(case, params, grads_per_step, **extra)
+    monkeypatch.setattr(GraphsafeOptimizer, "_prepare_group_at_once", original)
+    return opt, served
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
+def test_at_once_gathering_gives_the_per_parameter_paths_bits(case, state_bits, monkeypatch):
+    """_prepare_group_at_once (every check over all of a group's parameters at once) issues what the
+    per-parameter path (_prepare_bucket) issues: the same bits over steps where states are created, a
+    parameter has no gradient, and one gets its first; and it serves the steps it is meant for (states all
+    there, in the form this step needs), leaving the others to the per-parameter path."""
+    gen = make_generator(46)
+    shapes = [(37,), (16, 33), (0,), (), (300,)]
+    params = make_params(shapes, torch.float32, gen)
+    grads = [[random_grad(p.shape, torch.float32, gen) for p in params] for _ in range(5)]
+    grads[1][1] = None  # no gradient at step 1: skipped, as torch does
+    for step in (0, 1, 2):
+        grads[step][4] = None  # the last parameter's first gradient comes at step 3 (its states are created)
+    extra = dict(state_bits=state_bits, min_8bit_size=0, block_size=32) if state_bits == 8 else {}
+    general, general_served = _run_recording_paths(case, clone_params(params), grads, False, monkeypatch, **extra)
+    at_once_params = clone_params(params)
+    at_once, served = _run_recording_paths(case, at_once_params, grads, True, monkeypatch, **extra)
+    assert not any(general_served)
+    # step 0 and step 3 create states (the per-parameter path); steps 1, 2 and 4 find them all in place
+    assert served == [False, True, True, False, True], served
+    assert_same_run(general, [p for p in general.param_groups[0]["params"]], at_once, at_once_params,
+                    f"{case} {state_bits}-bit at once vs per parameter")
+
+
+def test_at_once_gathering_leaves_mixed_groups_to_the_per_parameter_path(monkeypatch):
+    """Groups the at-once path does not take: two dtypes, 8-bit and fp32 states side by side (sizes on both
+    sides of min_8bit_size), a non-contiguous gradient, states from other options, fewer than 4 parameters;
+    the mixed ones still step as one optimizer per parameter would."""
+    gen = make_generator(47)
+    mixed_dtypes = [make_params([(40,)], dtype, gen)[0] for dtype in [torch.float32, torch.bfloat16] * 2]
+    mixed_sizes = make_params([(100,), (5000,)] * 2, torch.float32, gen)
+    for params, extra in ((mixed_dtypes, {}), (mixed_sizes, dict(state_bits=8, min_8bit_size=1000))):
+        grads = [[random_grad(p.shape, p.dtype, gen) for p in params] for _ in range(3)]
+        together = clone_params(params)
+        opt, served = _run_recording_paths("AdamW", together, grads, True, monkeypatch, **extra)
+        assert served == [False, False, False]
+        for i, p in enumerate(params):
+            alone = clone_params([p])
+            opt_alone = run_steps("AdamW", alone, [[g[i]] for g in grads], **extra)
+            assert_same_run(opt, together[i : i + 1], opt_alone, alone, f"param {i}")
+    params = make_params([(24, 17)] * 4, torch.float32, gen)
+    opt = make_opt("SGD", params)
+    for p in params:
+        p.grad = random_grad((24, 17), torch.float32, gen)
+    opt.step()
+    group = opt.param_groups[0]
+    assert opt._prepare_group_at_once(group) is not None
+    params[2].grad = params[2].grad.t().contiguous().t()  # same values, column-major: the per-parameter path copies
+    assert opt._prepare_group_at_once(group) is None
+    opt.step()  # (test_non_contiguous_grad_gives_same_bits checks its bits)
+    adam_params = make_params([(30,)] * 4, torch.float32, gen)
+    adam = go.AdamW(adam_params, lr=0.01)
+    for q in adam_params:
+        q.grad = random_grad((30,), torch.float32, gen)
+    adam.step()
+    adam.param_groups[0]["amsgrad"] = True  # a state the old options did not keep: created on the next step
+    assert adam._prepare_group_at_once(adam.param_groups[0]) is None
+    adam.step()
+    assert all("max_exp_avg_sq" in adam.state[q] for q in adam_params)
+    assert adam._prepare_group_at_once(adam.param_groups[0]) is not None
+    small = make_params([(30,)] * 3, torch.float32, gen)  # below _AT_ONCE_MIN_PARAMS: the loop is cheaper
+    sgd = make_opt("SGD", small)
+    for q in small:
+        q.grad = random_grad((30,), torch.float32, gen)
+    sgd.step()
+    assert sgd._prepare_group_at_once(sgd.param_groups[0]) is None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from itertools import compress, repeat
+from operator import attrgetter, is_not, itemgetter
 from typing import Any, Callable, Iterable
 
 import torch
@@ -24,10 +26,26 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NEEDS_WORKSPACE = frozenset({"lamb", "lars"})
 # Group options that say how states are stored; load_state_dict keeps the loading optimizer's.
 _STORAGE_OPTIONS = ("state_bits", "block_size", "min_8bit_size")
+# What _prepare_group_at_once reads from every parameter, gradient and state (map calls these in C).
+_grad_of, _dtype_of, _device_of = attrgetter("grad"), attrgetter("dtype"), attrgetter("device")
+_layout_of, _shape_of = attrgetter("layout"), attrgetter("shape")
+_step_of, _block_size_of = itemgetter("step"), itemgetter("block_size")
+_PLAIN_TENSOR, _STRIDED = {Tensor}, {torch.strided}
+_AT_ONCE_MIN_PARAMS = 4
+# The raw CUDA stream torch is issuing to on a device (torch.cuda.current_stream builds a Stream object each
+# time, a few microseconds of an eager step); the public call where this private one is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _current_stream(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _PARAM_DTYPES}  # the core's names
 
 
 def _lr_tensor(lr: float | Tensor, device: torch.device) -> Tensor:
@@ -186,14 +204,28 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: gradient on {g.device} but its parameter on {p.device}")
         raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from its parameter's {tuple(p.shape)}")
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Grad mode off, as torch.no_grad would set it (set directly: the decorator costs more than the
+        # rest of a small eager step's Python).
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self._step_groups()
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
+        return loss
+
+    def _step_groups(self) -> None:
         pending: list[Callable[[], None]] = []
         for group in self.param_groups:
+            issue = self._prepare_group_at_once(group)
+            if issue is not None:
+                pending.append(issue)
+                continue
             # (param, grad) pairs per (device, dtype); each gradient is fetched once per step
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = defaultdict(list)
             for p in group["params"]:
@@ -206,12 +238,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         # all parameters and their existing states as they were.
         for issue in pending:
             issue()
-        return loss
 
-    def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                        pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
-        """Checks one (device, dtype) bucket of a group, (param, grad) pairs, and gathers what the core needs;
-        returns the function that steps it."""
+    def _bucket_options(self, group: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, float], list[str]]:
+        """Checks a group's options for a step on parameters of `dtype`; returns the core options and the
+        state names."""
         options = self._core_options(group)
         # Validated before anything changes (a rejected step changes nothing); once per group while its
         # options stay the same. The entry holds the group itself, so its id cannot be reused meanwhile.
@@ -221,19 +251,80 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             _C.optim_validate(self.algorithm, options)
             validated[id(group)] = (group, options)
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
-        names = self._state_names(group)
-        # One pass over the parameters gathers what the core needs. This runs for every parameter on every
-        # step, so the common case costs one combined test per gradient.
         if dtype not in _PARAM_DTYPES:  # a parameter's dtype changed after construction (p.data = ...)
             if dtype.is_complex:
                 raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
             raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {dtype}")
+        return options, self._state_names(group)
+
+    def _prepare_group_at_once(self, group: dict[str, Any]) -> Callable[[], None] | None:
+        """The common case of a step, checked and gathered list by list instead of parameter by parameter
+        (each check below runs over all parameters in C, through map; the Python loop in _prepare_bucket costs
+        about twice as much per parameter, and an eager step of many small tensors is bound by that cost).
+
+        Taken for groups of _AT_ONCE_MIN_PARAMS parameters or more (below, its fixed cost is more than the
+        loop's) when the group's parameters with a gradient, and those gradients, all have one dtype and one
+        device, strided and contiguous, shapes equal, and every state already in the form this step needs
+        (all fp32, or all 8-bit at this block size). Returns None otherwise, having changed nothing: the
+        general path then handles the group, raising its clear errors, copying non-contiguous gradients,
+        creating and converting states."""
+        params = group["params"]
+        if len(params) < _AT_ONCE_MIN_PARAMS:
+            return None
+        grads = list(map(_grad_of, params))
+        if set(map(type, grads)) != _PLAIN_TENSOR:  # a parameter without a gradient, or a tensor subclass
+            keep = list(map(is_not, grads, repeat(None)))
+            params, grads = list(compress(params, keep)), list(compress(grads, keep))
+            if not grads or set(map(type, grads)) != _PLAIN_TENSOR:
+                return None
+        dtypes = set(map(_dtype_of, params))
+        devices = set(map(_device_of, params))
+        if (len(dtypes) != 1 or len(devices) != 1 or set(map(_dtype_of, grads)) != dtypes
+                or set(map(_device_of, grads)) != devices or set(map(_layout_of, grads)) != _STRIDED
+                or list(map(_shape_of, grads)) != list(map(_shape_of, params))
+                or not all(map(Tensor.is_contiguous, params)) or not all(map(Tensor.is_contiguous, grads))):
+            return None
+        (dtype,), (device,) = dtypes, devices
+        options, names = self._bucket_options(group, dtype)  # raises as the general path would
+        numels = list(map(Tensor.numel, params))
+        eight = group["state_bits"] == 8
+        if eight:
+            min_8bit_size = group["min_8bit_size"]
+            kept = {_keeps_8bit(True, min_8bit_size, n) for n in (min(numels), max(numels))}
+            if len(kept) != 1:  # some parameters keep 8-bit states and some fp32 ones
+                return None
+            (eight,) = kept
+        states = list(map(self.state.get, params, repeat(())))  # () for a parameter without state yet
+        if set(map(len, states)) != {3 * len(names) + 2 if eight else len(names) + 1}:
+            return None
+        try:
+            if eight and set(map(_block_size_of, states)) != {group["block_size"]}:
+                return None
+            state_ptrs: list[int] = []  # state by state, as the core takes them
+            absmax_ptrs: list[int] = []
+            for name in names:
+                state_ptrs += map(Tensor.data_ptr, map(itemgetter(name), states))
+                if eight:
+                    absmax_ptrs += map(Tensor.data_ptr, map(itemgetter(f"{name}_absmax"), states))
+            step_ptrs = list(map(Tensor.data_ptr, map(_step_of, states)))
+        except KeyError:  # other state names with the same count (options changed): convert
+            return None
+        call = (list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)), state_ptrs, absmax_ptrs,
+                step_ptrs, numels)
+        return self._issuer(group, device, dtype, options, {8 if eight else 32: call}, [])
+
+    def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                        pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
+        """Checks one (device, dtype) bucket of a group, (param, grad) pairs, and gathers what the core needs;
+        returns the function that steps it. The general path: any mix of parameters, states to create or
+        convert, gradients to make contiguous, and the clear error for a gradient the core cannot take."""
+        options, names = self._bucket_options(group, dtype)
         # Two core calls at most: parameters with fp32 states, and those with 8-bit states.
         calls = {32: ([], [], [], [], [], []), 8: ([], [], [], [], [], [])}  # params, grads, states, absmax, steps, numels
         contiguous_copies = []  # alive until the core calls have been issued
         all_states = self.state
         state_len = {32: len(names) + 1, 8: 3 * len(names) + 2}  # step (+ block_size), and per name 1 or 3
-        # What _is_8bit reads, read once per bucket (this loop runs for every parameter on every step).
+        # What _is_8bit reads, read once per bucket.
         any_8bit, min_8bit_size, block_size = group["state_bits"] == 8, group["min_8bit_size"], group["block_size"]
         strided = torch.strided
         for p, g in pairs:
@@ -263,17 +354,31 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 absmax_ptrs.append(addresses[1])
             step_ptrs.append(addresses[2])
             numels.append(numel)
+        # The core takes the state addresses state by state (state j of tensor t at j * count + t).
+        for call in calls.values():
+            for rows in (call[2], call[3]):
+                rows[:] = [row[j] for j in range(len(names)) for row in rows]
+        return self._issuer(group, device, dtype, options, calls, contiguous_copies)
+
+    def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
+                calls: dict[int, tuple], contiguous_copies: list[Tensor]) -> Callable[[], None]:
+        """The function that issues a bucket's core calls ({state bits: (param, grad, state, absmax and step
+        addresses, numels)}, the state and absmax addresses state by state), once every bucket of the step has
+        been checked."""
         lr = group["lr"]
         if not isinstance(lr, Tensor) or lr.device != device:
             if not isinstance(lr, Tensor) and float(lr) < 0.0:
                 raise ValueError(f"Invalid learning rate: {lr}")
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
+        block_size = group["block_size"]
+        finish_counter = self._finish_counter(device).data_ptr() if device.type == "cuda" else 0
 
         def issue() -> None:
-            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-            for bits, (param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels) in calls.items():
-                if not param_ptrs:
+            stream = _current_stream(device)
+            for bits, call in calls.items():
+                if not call[0]:
                     continue
+                param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels = call
                 workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
                                    if self.algorithm in _NEEDS_WORKSPACE else 0)
                 workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
@@ -283,25 +388,37 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                     stream,
                     self.algorithm,
                     options,
-                    _dtype_name(dtype),
+                    _DTYPE_NAMES[dtype],
                     lr.data_ptr(),
                     param_ptrs,
                     grad_ptrs,
                     state_ptrs,
+                    absmax_ptrs,
                     step_ptrs,
                     numels,
                     workspace.data_ptr() if workspace is not None else 0,
                     workspace_bytes,
-                    increment_steps=True,  # the core adds 1 to every step first (one launch on CUDA)
-                    state_bits=bits,
-                    block_size=group["block_size"],
-                    absmax=absmax_ptrs,
+                    True,  # increment_steps: the core adds 1 to every step first (one launch on CUDA)
+                    bits,  # state_bits
+                    block_size,
+                    finish_counter,
                 )
             # The gradients' contiguous copies were read through raw addresses: this reference keeps them alive
             # until here (a closure holds only the names it uses).
             contiguous_copies.clear()
 
         return issue
+
+    def _finish_counter(self, device: torch.device) -> Tensor:
+        """The zeroed uint32 the CUDA update kernels count their finished blocks in, to add 1 to the steps in
+        the update's last block instead of a launch of its own (OptimStepArgs::finish_counter): one per device
+        for this optimizer, whose steps run one after another; the kernels leave it 0. A step captured in a
+        CUDA graph keeps its address, so it lives as long as the optimizer."""
+        counters = self.__dict__.setdefault("_finish_counters", {})
+        counter = counters.get(device)
+        if counter is None:
+            counter = counters[device] = torch.zeros((), dtype=torch.int32, device=device)
+        return counter
 
     # ---- persistence ----
 

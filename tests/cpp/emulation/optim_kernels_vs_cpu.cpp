@@ -2,7 +2,8 @@
 // against the CPU backend, on problems chosen to reach every path: all nine algorithms, fp32/bf16/fp16,
 // skip_zeros on and off, sizes below, at and above a 4096-element chunk and not multiples of 4, pointers off
 // 16-byte alignment, more tensors than one launch holds (32), and empty tensors; and 8-bit states
-// (state_bits = 8) with block sizes 32 to 1024. This is CI's check of the
+// (state_bits = 8) with block sizes 32 to 1024; steps counted by the update kernels (a finish counter) or by a
+// launch ahead. This is CI's check of the
 // kernels' logic (indexing, barriers, shared memory, launch tables); the GPU itself is checked by
 // tests/python/test_optim_cuda.py on a device.
 #include <gtest/gtest.h>
@@ -107,7 +108,15 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, 
     args.block_size = block_size;
     optim_step_cpu(args, cpu.data(), tensors, workspace_cpu.data(), workspace_bytes);
     args.increment_steps = true;
+    // Steps alternate between the two ways of counting steps: the update kernels' finish counter (odd steps)
+    // and a launch of their own ahead (even steps); the counter is back at 0 after each step.
+    uint32_t finish_counter = 0;
+    args.finish_counter = s % 2 == 1 ? &finish_counter : nullptr;
     optim_step_cuda(args, emu.data(), tensors, workspace_emu.data(), workspace_bytes, nullptr);
+    if (finish_counter != 0) {
+      ADD_FAILURE() << "step " << s << ": finish counter left at " << finish_counter;
+      return 1;
+    }
   }
 
   int mismatches = 0;
@@ -193,6 +202,30 @@ TEST(OptimKernelsEmulated, MatchTheCpuBackend) {
 // Standalone blockwise quantisation (state_dict conversions, graphsafe.ops), one thread per block, against the
 // CPU: the same codes and absmax bit for bit, and the same decoded values, for every block size, a length that
 // is not a multiple of it, and special values (±0, ±inf, NaN, subnormals, values far apart in one block).
+// Only empty tensors: no update kernel runs, yet with a finish counter their steps are counted (by the launch
+// of its own), and the counter stays 0.
+TEST(OptimKernelsEmulated, EmptyTensorsStepsAreCountedWithAFinishCounter) {
+  for (OptimAlgorithm algorithm : {OptimAlgorithm::AdamW, OptimAlgorithm::LAMB}) {
+    OptimOptions o;
+    o.algorithm = algorithm;
+    float lr = 0.1f, steps[2] = {3.0f, 0.0f}, workspace[64];
+    OptimTensor tensors[2];
+    for (int t = 0; t < 2; ++t) tensors[t].step = &steps[t];
+    const int64_t numels[2] = {0, 0};
+    ASSERT_LE(optim_workspace_bytes(Backend::Cuda, o, numels, 2), sizeof(workspace));
+    uint32_t finish_counter = 0;
+    OptimStepArgs args;
+    args.options = o;
+    args.lr = &lr;
+    args.increment_steps = true;
+    args.finish_counter = &finish_counter;
+    optim_step_cuda(args, tensors, 2, workspace, sizeof(workspace), nullptr);
+    EXPECT_EQ(steps[0], 4.0f);
+    EXPECT_EQ(steps[1], 1.0f);
+    EXPECT_EQ(finish_counter, 0u);
+  }
+}
+
 TEST(OptimKernelsEmulated, StandaloneQuantizationMatchesTheCpu) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
