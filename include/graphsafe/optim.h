@@ -63,10 +63,11 @@ struct OptimStepArgs {
   // Add 1 to every tensor's step before the update (true: the step saves the caller a launch; false: the
   // caller has incremented them).
   bool increment_steps = false;
-  // CUDA, with increment_steps: a uint32 in device memory, 0, that the update kernels count their finished
-  // blocks in, so that the last block adds the 1 to the steps (the update reads each step and adds 1 itself)
-  // instead of a launch of its own ahead of the update; it is 0 again after the step. One per stream that
-  // steps may run on at the same time (an optimizer's steps run in order on one). Null: the separate launch.
+  // CUDA, with increment_steps: a uint32 in device memory, 0, that the element-wise update kernels count their
+  // finished blocks in, so that the last block adds the 1 to the steps (the update reads each step and adds 1
+  // itself) instead of a launch of its own ahead of the update; it is 0 again after the step. One per stream
+  // that steps may run on at the same time (an optimizer's steps run in order on one). Null, and for LAMB and
+  // LARS: the launch ahead.
   uint32_t* finish_counter = nullptr;
   // 32: fp32 states; 8: blockwise 8-bit states of block_size elements (a power of two, 32 to 1024).
   int state_bits = 32;
