@@ -16,7 +16,8 @@
 * The whole optimizer.step() captured in a torch.cuda.CUDAGraph (3 warm-up steps on a side stream first,
   as torch's whole-network capture example does; gradients are static tensors that new values are copied
   into) and replayed 10 times with an lr scheduler stepping between replays (outside the graph): bitwise
-  equal to the same 10 eager steps on a copy, so the graph reads lr and step from device memory.
+  equal to the same 10 eager steps on a copy, so the graph reads lr and step from device memory; a step
+  captured before any eager one (states loaded, no finish counter yet) equals eager steps too.
 * 8-bit states (state_bits=8): CUDA vs CPU (codes within one map step, absmax and params to tolerance) for
   every algorithm and three block sizes, each step from the same start (CUDA's FastMath, rules.h); with an eps
   above 1e30 (the IEEE fallback kernels) 10 uninterrupted steps; the captured step == eager bitwise;
@@ -420,6 +421,46 @@ def test_captured_step_with_lr_scheduler_equals_eager(case, dtype, state_bits, b
     assert_bitwise_equal(opt.param_groups[0]["lr"], eager.param_groups[0]["lr"], "lr")
     assert len(set(lrs)) >= 5, f"the schedule did not change the lr: {lrs}"
     assert all(float(opt.state[p]["step"]) == 13 for p in params)
+
+
+@pytest.mark.parametrize("case", ["AdamW", "SGD", "LAMB"])
+def test_step_captured_before_any_eager_step_counts_its_steps(case):
+    """An optimizer whose first CUDA step is captured (its states loaded from a checkpoint, no warm-up) has no
+    finish counter yet and makes none inside the capture (its zeroing would only run at the first replay): the
+    graph counts the steps with a launch ahead. Replays and the eager steps after them (which make the counter)
+    equal an optimizer stepped eagerly throughout, bitwise."""
+    seed = stable_seed("first step captured", case)
+    params = make_params(SHAPES, torch.float32, make_generator(seed), device=CUDA, offsets=OFFSETS)
+    eager_params = make_params(SHAPES, torch.float32, make_generator(seed), device=CUDA, offsets=OFFSETS)
+    static_grads, eager_grads = attach_grads(params, OFFSETS), attach_grads(eager_params, OFFSETS)
+    eager = make_opt(case, eager_params)
+    gen = make_generator(seed + 1)
+    for _ in range(2):
+        copy_into(eager_grads, draw_grads(eager_params, torch.float32, gen))
+        eager.step()
+    with torch.no_grad():
+        for p, q in zip(params, eager_params):
+            p.copy_(q)
+    opt = make_opt(case, params)
+    opt.load_state_dict(eager.state_dict())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    assert not opt.__dict__.get("_finish_counters"), "a finish counter was made inside the capture"
+    for step in range(4):
+        values = draw_grads(params, torch.float32, gen)
+        copy_into(static_grads, values)
+        if step < 2:
+            graph.replay()
+        else:
+            opt.step()  # eager: makes the counter
+        copy_into(eager_grads, values)
+        eager.step()
+        torch.cuda.synchronize()
+        assert_same_run(opt, params, eager, eager_params, f"{case} {'replay' if step < 2 else 'eager'} {step + 1}")
+    assert opt.__dict__.get("_finish_counters"), "the eager steps after the capture made no finish counter"
+    assert all(float(opt.state[p]["step"]) == 6 for p in params)
 
 
 def test_captured_step_follows_lr_filled_between_replays():

@@ -238,3 +238,54 @@ def test_parameters_of_one_group_must_share_a_device():
         pytest.skip("needs a second device")
     with pytest.raises(ValueError, match="one device"):
         go.Adam([param(), torch.nn.Parameter(torch.randn(4, device="cuda"))])
+
+
+def _bad_sparse(p):
+    p.grad = torch.randn(8).to_sparse()
+
+
+def _bad_dtype(p):
+    set_grad_any_dtype(p, torch.randn(8, dtype=torch.float64))
+
+
+def _bad_complex(p):
+    set_grad_any_dtype(p, torch.randn(8, dtype=torch.complex64))
+
+
+def _bad_shape(p):
+    p.grad.data = torch.randn(4)  # bypasses torch's own shape check on assignment
+
+
+def _bad_same_numel_shape(p):
+    p.grad.data = torch.randn(2, 4)  # the same number of elements, another shape
+
+
+def _non_contiguous_param(p):
+    p.data = torch.randn(8, 2)[:, 0]  # the step updates parameters in place: they must be contiguous
+
+
+@pytest.mark.parametrize("spoil,error,match", [
+    (_bad_sparse, RuntimeError, "sparse"), (_bad_dtype, TypeError, "dtype"), (_bad_complex, RuntimeError, "complex"),
+    (_bad_shape, ValueError, "shape"), (_bad_same_numel_shape, ValueError, "shape"),
+    (_non_contiguous_param, ValueError, "contiguous"),
+], ids=lambda v: v.__name__.strip("_") if callable(v) else None)
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_bad_input_in_a_group_the_at_once_path_would_take(spoil, error, match, state_bits):
+    """Groups of 4 or more parameters take the step's at-once gathering (test_optim_properties.py) when all is
+    well; one bad gradient or parameter among them is not let through: the step raises the clear error and
+    changes nothing, as it does for a parameter alone."""
+    gen = make_generator(48)
+    params = make_params([(8,)] * 5, torch.float32, gen)
+    opt = go.AdamW(params, lr=0.1, state_bits=state_bits, min_8bit_size=0, block_size=32)
+    for p in params:
+        p.grad = random_grad((8,), torch.float32, gen)
+    opt.step()  # states created: the next step would take the at-once path
+    assert opt._prepare_group_at_once(opt.param_groups[0]) is not None
+    spoil(params[3])
+    before = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    with pytest.raises(error, match=match):
+        opt.step()
+    for p, b, s in zip(params, before, steps):
+        assert_bitwise_equal(p, b, "parameter after a rejected step")
+        assert torch.equal(opt.state[p]["step"], s)

@@ -371,7 +371,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"Invalid learning rate: {lr}")
             group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
         block_size = group["block_size"]
-        finish_counter = self._finish_counter(device).data_ptr() if device.type == "cuda" else 0
+        finish_counter = self._finish_counter(device) if device.type == "cuda" else 0
 
         def issue() -> None:
             stream = _current_stream(device)
@@ -398,7 +398,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                     numels,
                     workspace.data_ptr() if workspace is not None else 0,
                     workspace_bytes,
-                    True,  # increment_steps: the core adds 1 to every step first (one launch on CUDA)
+                    True,  # increment_steps: the core counts every step (on CUDA, see _finish_counter)
                     bits,  # state_bits
                     block_size,
                     finish_counter,
@@ -409,16 +409,21 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
         return issue
 
-    def _finish_counter(self, device: torch.device) -> Tensor:
-        """The zeroed uint32 the CUDA update kernels count their finished blocks in, to add 1 to the steps in
-        the update's last block instead of a launch of its own (OptimStepArgs::finish_counter): one per device
-        for this optimizer, whose steps run one after another; the kernels leave it 0. A step captured in a
-        CUDA graph keeps its address, so it lives as long as the optimizer."""
+    def _finish_counter(self, device: torch.device) -> int:
+        """The address of the zeroed 32-bit counter the CUDA element-wise update kernels count their finished
+        blocks in, to add 1 to the steps in the update's last block instead of a launch of their own
+        (OptimStepArgs::finish_counter): one per device for this optimizer, whose steps run one after
+        another; the kernels leave it 0. A captured step keeps its address, so it lives as long as the
+        optimizer. It is made outside CUDA graph capture only: made inside, its zeroing would be a node of
+        the graph, not run until the first replay, and an eager step before that would read garbage. A step
+        captured before any eager one on the device gets 0 instead (the steps counted by a launch ahead)."""
         counters = self.__dict__.setdefault("_finish_counters", {})
         counter = counters.get(device)
         if counter is None:
+            if torch.cuda.is_current_stream_capturing():
+                return 0
             counter = counters[device] = torch.zeros((), dtype=torch.int32, device=device)
-        return counter
+        return counter.data_ptr()
 
     # ---- persistence ----
 

@@ -199,9 +199,6 @@ TEST(OptimKernelsEmulated, MatchTheCpuBackend) {
   }
 }
 
-// Standalone blockwise quantisation (state_dict conversions, graphsafe.ops), one thread per block, against the
-// CPU: the same codes and absmax bit for bit, and the same decoded values, for every block size, a length that
-// is not a multiple of it, and special values (±0, ±inf, NaN, subnormals, values far apart in one block).
 // Only empty tensors: no update kernel runs, yet with a finish counter their steps are counted (by the launch
 // of its own), and the counter stays 0.
 TEST(OptimKernelsEmulated, EmptyTensorsStepsAreCountedWithAFinishCounter) {
@@ -226,6 +223,9 @@ TEST(OptimKernelsEmulated, EmptyTensorsStepsAreCountedWithAFinishCounter) {
   }
 }
 
+// Standalone blockwise quantisation (state_dict conversions, graphsafe.ops), one thread per block, against the
+// CPU: the same codes and absmax bit for bit, and the same decoded values, for every block size, a length that
+// is not a multiple of it, and special values (±0, ±inf, NaN, subnormals, values far apart in one block).
 TEST(OptimKernelsEmulated, StandaloneQuantizationMatchesTheCpu) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
