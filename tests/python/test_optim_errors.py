@@ -289,3 +289,40 @@ def test_bad_input_in_a_group_the_at_once_path_would_take(spoil, error, match, s
     for p, b, s in zip(params, before, steps):
         assert_bitwise_equal(p, b, "parameter after a rejected step")
         assert torch.equal(opt.state[p]["step"], s)
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits):
+    """The core writes states through raw addresses: a state tensor replaced by hand with another dtype, size
+    or layout (or not a tensor) would be read and written out of bounds. The step raises a ValueError naming
+    the state and changes nothing; once a tensor of the right form is back, it steps again. Checked on both
+    gathering paths (one parameter: per parameter; five: at once, which checks again only replaced tensors)."""
+    gen = make_generator(49)
+    params = make_params([(40,)] * count, torch.float32, gen)
+    opt = go.AdamW(params, lr=0.1, state_bits=state_bits, min_8bit_size=0, block_size=32)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((40,), torch.float32, gen)
+        opt.step()
+    victim = opt.state[params[-1]]
+    codes = torch.uint8 if state_bits == 8 else torch.float32
+    bad = {
+        "exp_avg": [torch.zeros(40, dtype=torch.bfloat16), torch.zeros(39, dtype=codes),
+                    torch.zeros(80, dtype=codes)[::2], 0.0],
+        "step": [torch.zeros(1), torch.zeros((), dtype=torch.float64), 3],
+    }
+    if state_bits == 8:
+        bad["exp_avg_sq_absmax"] = [torch.zeros(1), torch.zeros(2, dtype=torch.float64)]
+    for key, values in bad.items():
+        good = victim[key]
+        for value in values:
+            victim[key] = value
+            before = [p.detach().clone() for p in params]
+            with pytest.raises(ValueError, match=f"state '{key}'"):
+                opt.step()
+            for p, b in zip(params, before):
+                assert_bitwise_equal(p, b, f"parameter after a step rejected for {key}")
+        victim[key] = good.clone()  # the right form, a new tensor: accepted
+        opt.step()
+    assert float(opt.state[params[0]]["step"]) == 2 + len(bad)

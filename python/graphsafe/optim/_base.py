@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from itertools import compress, repeat
-from operator import attrgetter, is_not, itemgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, is_not, itemgetter
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,7 +29,7 @@ _STORAGE_OPTIONS = ("state_bits", "block_size", "min_8bit_size")
 # What _prepare_group_at_once reads from every parameter, gradient and state (map calls these in C).
 _grad_of, _dtype_of, _device_of = attrgetter("grad"), attrgetter("dtype"), attrgetter("device")
 _layout_of, _shape_of = attrgetter("layout"), attrgetter("shape")
-_step_of, _block_size_of = itemgetter("step"), itemgetter("block_size")
+_block_size_of = itemgetter("block_size")
 _PLAIN_TENSOR, _STRIDED = {Tensor}, {torch.strided}
 _AT_ONCE_MIN_PARAMS = 4
 # The raw CUDA stream torch is issuing to on a device (torch.cuda.current_stream builds a Stream object each
@@ -45,7 +45,11 @@ def _current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _PARAM_DTYPES}  # the core's names
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {dtype: _dtype_text(dtype) for dtype in _PARAM_DTYPES}  # the core's names
 
 
 def _lr_tensor(lr: float | Tensor, device: torch.device) -> Tensor:
@@ -137,6 +141,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._initialised = True
+        self.__dict__.pop("_checked_states", None)  # new groups and states (load_state_dict): checked anew
 
     # ---- the step ----
 
@@ -226,6 +231,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if issue is not None:
                 pending.append(issue)
                 continue
+            # The per-parameter path may create or convert states: the at-once path checks them anew.
+            self.__dict__.get("_checked_states", {}).pop(id(group), None)
             # (param, grad) pairs per (device, dtype); each gradient is fetched once per step
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = defaultdict(list)
             for p in group["params"]:
@@ -300,18 +307,31 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         try:
             if eight and set(map(_block_size_of, states)) != {group["block_size"]}:
                 return None
-            state_ptrs: list[int] = []  # state by state, as the core takes them
-            absmax_ptrs: list[int] = []
-            for name in names:
-                state_ptrs += map(Tensor.data_ptr, map(itemgetter(name), states))
-                if eight:
-                    absmax_ptrs += map(Tensor.data_ptr, map(itemgetter(f"{name}_absmax"), states))
-            step_ptrs = list(map(Tensor.data_ptr, map(_step_of, states)))
+            # key by key (states, absmax, steps), as the core takes them
+            tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, eight)]
         except KeyError:  # other state names with the same count (options changed): convert
             return None
+        self._check_states_once(group, params, states, names, eight, tensors)
+        state_ptrs = list(map(Tensor.data_ptr, chain.from_iterable(tensors[: len(names)])))
+        absmax_ptrs = list(map(Tensor.data_ptr, chain.from_iterable(tensors[len(names) : -1])))
         call = (list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)), state_ptrs, absmax_ptrs,
-                step_ptrs, numels)
+                list(map(Tensor.data_ptr, tensors[-1])), numels)
         return self._issuer(group, device, dtype, options, {8 if eight else 32: call}, [])
+
+    def _check_states_once(self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]],
+                           names: list[str], eight: bool, tensors: list[list[Tensor]]) -> None:
+        """_check_state_tensors for every parameter of an at-once step, skipped while the group's state tensors
+        are the very objects checked at an earlier step (an identity test per tensor instead of five checks).
+        A state tensor changed in place by hand (`.data = ...`, `resize_`) is not seen: only replaced ones."""
+        checked = self.__dict__.setdefault("_checked_states", {})
+        seen = checked.get(id(group))
+        if (seen is not None and seen[0] is group and len(seen[1]) == len(tensors)
+                and all(len(now) == len(then) and all(map(is_, now, then)) for now, then in zip(tensors, seen[1]))):
+            return
+        owner, block_size = type(self).__name__, group["block_size"]
+        for p, state in zip(params, states):
+            _check_state_tensors(owner, p, state, names, eight, block_size)
+        checked[id(group)] = (group, tensors)  # holds the group: its id cannot be reused meanwhile
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
@@ -342,10 +362,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             state = all_states[p]
             if len(state) != state_len[bits] or (eight and state.get("block_size") != block_size):
                 state = self._state_of(group, p, names, eight)
-            try:
-                addresses = _state_addresses(state, names, eight)
-            except KeyError:  # other state names with the same count (options changed): convert
-                addresses = _state_addresses(self._state_of(group, p, names, eight), names, eight)
+            if not all(key in state for key in _state_keys(names, eight)):  # other names, same count: convert
+                state = self._state_of(group, p, names, eight)
+            _check_state_tensors(type(self).__name__, p, state, names, eight, block_size)
+            addresses = _state_addresses(state, names, eight)
             param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels = calls[bits]
             param_ptrs.append(p.data_ptr())
             grad_ptrs.append(g.data_ptr())
@@ -507,6 +527,36 @@ def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any)
 def _keeps_8bit(state_bits_is_8: bool, min_8bit_size: int, numel: int) -> bool:
     """The rule for which parameters keep 8-bit states: state_bits=8 and at least min_8bit_size elements."""
     return state_bits_is_8 and numel >= min_8bit_size
+
+
+def _state_keys(names: list[str], eight: bool) -> list[str]:
+    """The state entries the core writes through raw addresses: per name the fp32 state or the 8-bit codes,
+    the 8-bit absmax, and the step."""
+    return names + ([f"{n}_absmax" for n in names] if eight else []) + ["step"]
+
+
+def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: list[str], eight: bool,
+                         block_size: int) -> None:
+    """Raises ValueError unless every state tensor the core writes through its raw address has the form the
+    kernels read: a state replaced by hand with another dtype, size or device would be read and written out
+    of bounds (load_state_dict converts any form; _state_of makes these)."""
+    blocks = (p.numel() + block_size - 1) // block_size
+    for key in _state_keys(names, eight):
+        if key == "step":
+            dtype, shape = torch.float32, ()
+        elif key.endswith("_absmax") and eight:
+            dtype, shape = torch.float32, (blocks,)
+        else:
+            dtype, shape = (torch.uint8 if eight else torch.float32), tuple(p.shape)
+        t = state[key]
+        if not (isinstance(t, Tensor) and t.dtype is dtype and tuple(t.shape) == shape and t.device == p.device
+                and t.is_contiguous()):
+            got = (f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor of "
+                   f"shape {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else f"not a tensor but {type(t).__name__} {t!r}")
+            raise ValueError(
+                f"{owner}: state '{key}' of a parameter of shape {tuple(p.shape)} is {got}; the step writes it in "
+                f"place as a contiguous {_dtype_text(dtype)} tensor of shape {shape} on {p.device} (a state "
+                f"replaced by hand must keep that form; load_state_dict converts any)")
 
 
 def _state_addresses(state: dict[str, Any], names: list[str], eight: bool) -> tuple[list[int], list[int], int]:
