@@ -6,7 +6,10 @@ Three groups of measurements, each one record per method:
   labelled so);
 - algorithms: all nine graphsafe algorithms at 64M fp32 elements in one tensor;
 - graph: graphsafe AdamW at 64M fp32 captured in a CUDA graph and replayed (host overhead gone), checked
-  bitwise against the same steps taken eagerly (CUDA only).
+  bitwise against the same steps taken eagerly (CUDA only);
+- host: the host time of an eager step alone, AdamW and SGD at 4M fp32 in one tensor and in 200, graphsafe
+  next to torch's fused step: best of HOST_RUNS runs of HOST_CALLS steps (a steadier number than the host ms
+  of single timed calls, which vary by up to 2x between runs when the step is bound by the host).
 
 Gradients are set once (N(0,1): no element is zero, so skip_zeros would change nothing; it stays off), every
 optimizer steps once before the timer's own warm-up (its state exists), and the timed calls step the same
@@ -49,6 +52,8 @@ TARGET_8BIT_MS = {torch.float32: 0.37, torch.bfloat16: 0.25}
 TARGET_8BIT_PCT_COPY_BW = 70.0
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture, as torch.cuda.graph's docs ask
 GRAPH_CHECK_REPLAYS = 2  # replays compared bitwise with the same number of eager steps
+HOST_TOTAL = 4 * MIB_ELEMENTS
+HOST_RUNS, HOST_CALLS = 7, 200  # fewer launches than a CUDA stream queues: the host never waits for the GPU
 BYTES_FORMULA = (
     "numel × (3 × param bytes + 2 × Σ state bytes): param and grad read, param written, each state read and written"
 )
@@ -113,6 +118,10 @@ def eight_bit_cases(quick: bool) -> list[OptimCase]:
 
 def graph_cases(quick: bool) -> list[OptimCase]:
     return [OptimCase("graph", "AdamW", HEADLINE_TOTAL // _divisor(quick), torch.float32, n) for n in TENSOR_COUNTS]
+
+
+def host_cases(quick: bool) -> list[OptimCase]:
+    return [OptimCase("host", a, HOST_TOTAL // _divisor(quick), torch.float32, n) for a in COMPARED for n in TENSOR_COUNTS]
 
 
 def headline_case(quick: bool) -> OptimCase:
@@ -347,6 +356,32 @@ def measure_graph(ctx: BenchContext, case: OptimCase) -> dict:
     return record
 
 
+def measure_host(ctx: BenchContext, case: OptimCase, method: str) -> dict:
+    """The host time of one eager step: the best of HOST_RUNS runs of HOST_CALLS step() calls, the device
+    synchronised between runs (not inside one)."""
+    impl = "graphsafe" if method == "graphsafe" else torch_impl(case.algorithm, case.dtype, ctx.device)[0]
+    record = _base_record(ctx, case, method, impl)
+    optimizer = None
+    try:
+        optimizer = new_optimizer(case, method, ctx.device, ctx.seed)
+        optimizer.step()
+        best = float("inf")
+        for _ in range(HOST_RUNS):
+            _synchronize(ctx.device)
+            begin = time.perf_counter()
+            for _ in range(HOST_CALLS):
+                optimizer.step()
+            best = min(best, time.perf_counter() - begin)
+        _synchronize(ctx.device)
+        record |= {"host_us_per_step": round(best / HOST_CALLS * 1e6, 2), "runs": HOST_RUNS, "calls": HOST_CALLS}
+    except Exception as exc:  # one failing method must not hide the others' results
+        record["error"] = first_line(exc)
+    finally:
+        optimizer = None
+        _release(ctx.device)
+    return record
+
+
 def run_suite(ctx: BenchContext) -> list[dict]:
     records = []
 
@@ -362,6 +397,9 @@ def run_suite(ctx: BenchContext) -> list[dict]:
         emit(measure_method(ctx, case, "graphsafe"))
     for case in graph_cases(ctx.quick):
         emit(measure_graph(ctx, case))
+    for case in host_cases(ctx.quick):
+        for method in ("torch", "graphsafe"):
+            emit(measure_host(ctx, case, method))
     return records
 
 
@@ -440,7 +478,9 @@ def render(records: list[dict], ctx: BenchContext) -> str:
              "### all nine graphsafe algorithms", _algorithms_table(found, ctx, algorithm_cases(ctx.quick)),
              "### 8-bit states (state_bits=8, block_size=256; absmax not counted in B/elem)",
              _algorithms_table(found, ctx, eight_bit_cases(ctx.quick)),
-             "### graphsafe AdamW step captured in a CUDA graph", _graph_table(found, ctx), _legend(records, ctx)]
+             "### graphsafe AdamW step captured in a CUDA graph", _graph_table(found, ctx),
+             f"### host time of an eager step (µs per step, best of {HOST_RUNS} runs of {HOST_CALLS} steps)",
+             _host_table(found, ctx), _legend(records, ctx)]
     if errors:
         parts.append("Errors:\n" + "\n".join(errors))
     return "\n\n".join(parts)
@@ -494,6 +534,17 @@ def _graph_table(found: dict, ctx: BenchContext) -> str:
     return markdown_table(headers, rows, (False,) + (True,) * 5 + (False,))
 
 
+def _host_table(found: dict, ctx: BenchContext) -> str:
+    headers = ("case", "graphsafe µs", "torch µs", "torch impl", "× vs torch")
+    rows = []
+    for case in host_cases(ctx.quick):
+        ours, theirs = found.get(("host", case.label, "graphsafe"), {}), found.get(("host", case.label, "torch"), {})
+        a, b = ours.get("host_us_per_step"), theirs.get("host_us_per_step")
+        rows.append((case.label, fmt_float(a), fmt_float(b), theirs.get("impl", "-"),
+                     f"{b / a:.2f}" if a and b else "-"))
+    return markdown_table(headers, rows, (False, True, True, False, True))
+
+
 def _legend(records: list[dict], ctx: BenchContext) -> str:
     fallbacks = sorted({(r["algorithm"], r["dtype"], r["fused_unavailable"])
                         for r in records if "fused_unavailable" in r})
@@ -514,6 +565,8 @@ def _legend(records: list[dict], ctx: BenchContext) -> str:
         f"CUDA graph: {GRAPH_WARMUP_STEPS} eager steps on a side stream, one step captured, replayed; the first "
         f"{GRAPH_CHECK_REPLAYS} replays are compared bitwise (params, states, step) with the same number of eager "
         "steps from the same start. eager ms: the compare row of the same case.",
+        f"Host time: one optimizer stepped {HOST_CALLS} times in a row, {HOST_RUNS} runs, the fastest run per step "
+        "(the device synchronised between runs); × vs torch = torch's / graphsafe's (> 1: faster).",
     ]
     if ctx.quick:
         lines.append(f"Quick sizes: element counts of the full cases divided by {QUICK_DIVISOR}; "
