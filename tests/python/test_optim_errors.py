@@ -326,3 +326,26 @@ def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits)
         victim[key] = good.clone()  # the right form, a new tensor: accepted
         opt.step()
     assert float(opt.state[params[0]]["step"]) == 2 + len(bad)
+
+
+@pytest.mark.parametrize("lr", [torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.1, dtype=torch.bfloat16),
+                                torch.tensor([0.1]), 0.1], ids=["fp64", "bf16", "shape (1,)", "float"])
+def test_an_lr_set_by_hand_in_another_form_steps_as_its_value(lr):
+    """The core reads one float32 at lr's address: an lr put into the group by hand as a float, or as a tensor
+    of another dtype (a float64 one was read as 0, a bfloat16 one as -1.9e22), steps as its value would, and
+    the group's lr is a float32 tensor of one element again (a float32 one of shape (1,) is kept: it is read
+    in place, so its own fill_s keep working)."""
+    gen = make_generator(50)
+    (p,) = make_params([(16,)], torch.float32, gen)
+    (q,) = make_params([(16,)], torch.float32, make_generator(50))
+    g = random_grad((16,), torch.float32, gen)
+    by_hand, reference = go.SGD([p], lr=1.0), go.SGD([q], lr=float(torch.as_tensor(lr).float()))
+    by_hand.param_groups[0]["lr"] = lr
+    p.grad, q.grad = g.clone(), g.clone()
+    by_hand.step()
+    reference.step()
+    assert_bitwise_equal(p, q, "parameter")
+    new_lr = by_hand.param_groups[0]["lr"]
+    assert new_lr.dtype == torch.float32 and new_lr.numel() == 1
+    if isinstance(lr, torch.Tensor) and lr.dtype == torch.float32:
+        assert new_lr is lr

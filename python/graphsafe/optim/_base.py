@@ -386,10 +386,13 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         addresses, numels)}, the state and absmax addresses state by state), once every bucket of the step has
         been checked."""
         lr = group["lr"]
-        if not isinstance(lr, Tensor) or lr.device != device:
+        # The core reads one float32 at lr's address: a float set by hand, or a tensor of another dtype or
+        # device, becomes a 0-d float32 tensor on the device again (eager steps only; a captured step, and
+        # later fill_s of the tensor set by hand, do not see it).
+        if not isinstance(lr, Tensor) or lr.device != device or lr.dtype is not torch.float32 or lr.numel() != 1:
             if not isinstance(lr, Tensor) and float(lr) < 0.0:
                 raise ValueError(f"Invalid learning rate: {lr}")
-            group["lr"] = lr = _lr_tensor(lr, device)  # a float set by hand: back to a device tensor (eager only)
+            group["lr"] = lr = _lr_tensor(lr, device)
         block_size = group["block_size"]
         finish_counter = self._finish_counter(device) if device.type == "cuda" else 0
 
