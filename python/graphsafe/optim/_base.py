@@ -227,9 +227,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def _step_groups(self) -> None:
         pending: list[Callable[[], None]] = []
         for group in self.param_groups:
-            issue = self._prepare_group_at_once(group)
-            if issue is not None:
-                pending.append(issue)
+            issues = self._prepare_group_at_once(group)
+            if issues is not None:
+                pending.extend(issues)
                 continue
             # The per-parameter path may create or convert states: the at-once path checks them anew.
             self.__dict__.get("_checked_states", {}).pop(id(group), None)
@@ -264,17 +264,18 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {dtype}")
         return options, self._state_names(group)
 
-    def _prepare_group_at_once(self, group: dict[str, Any]) -> Callable[[], None] | None:
+    def _prepare_group_at_once(self, group: dict[str, Any]) -> list[Callable[[], None]] | None:
         """The common case of a step, checked and gathered list by list instead of parameter by parameter
         (each check below runs over all parameters in C, through map; the Python loop in _prepare_bucket costs
         about twice as much per parameter, and an eager step of many small tensors is bound by that cost).
 
         Taken for groups of _AT_ONCE_MIN_PARAMS parameters or more (below, its fixed cost is more than the
-        loop's) when the group's parameters with a gradient, and those gradients, all have one dtype and one
-        device, strided and contiguous, shapes equal, and every state already in the form this step needs
-        (all fp32, or all 8-bit at this block size). Returns None otherwise, having changed nothing: the
-        general path then handles the group, raising its clear errors, copying non-contiguous gradients,
-        creating and converting states."""
+        loop's) when the group's parameters with a gradient, and those gradients, are on one device, strided
+        and contiguous, each gradient of its parameter's dtype and shape, and every state already in the form
+        this step needs. Parameters of several dtypes, or with 8-bit and fp32 states side by side (sizes on
+        both sides of min_8bit_size), make one core call per kind, as the per-parameter path does. Returns the
+        functions that issue the calls, or None, having changed nothing: the general path then handles the
+        group, raising its clear errors, copying non-contiguous gradients, creating and converting states."""
         params = group["params"]
         if len(params) < _AT_ONCE_MIN_PARAMS:
             return None
@@ -284,23 +285,42 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             params, grads = list(compress(params, keep)), list(compress(grads, keep))
             if not grads or set(map(type, grads)) != _PLAIN_TENSOR:
                 return None
-        dtypes = set(map(_dtype_of, params))
+        dtypes = list(map(_dtype_of, params))
         devices = set(map(_device_of, params))
-        if (len(dtypes) != 1 or len(devices) != 1 or set(map(_dtype_of, grads)) != dtypes
+        if (len(devices) != 1 or list(map(_dtype_of, grads)) != dtypes  # dtypes are singletons: compared by identity
                 or set(map(_device_of, grads)) != devices or set(map(_layout_of, grads)) != _STRIDED
                 or list(map(_shape_of, grads)) != list(map(_shape_of, params))
                 or not all(map(Tensor.is_contiguous, params)) or not all(map(Tensor.is_contiguous, grads))):
             return None
-        (dtype,), (device,) = dtypes, devices
-        options, names = self._bucket_options(group, dtype)  # raises as the general path would
+        (device,) = devices
         numels = list(map(Tensor.numel, params))
-        eight = group["state_bits"] == 8
-        if eight:
+        if group["state_bits"] == 8:
             min_8bit_size = group["min_8bit_size"]
-            kept = {_keeps_8bit(True, min_8bit_size, n) for n in (min(numels), max(numels))}
-            if len(kept) != 1:  # some parameters keep 8-bit states and some fp32 ones
+            eights = [_keeps_8bit(True, min_8bit_size, n) for n in numels]
+        else:
+            eights = None
+        if len(set(dtypes)) == 1 and (eights is None or len(set(eights)) == 1):
+            buckets = {(dtypes[0], bool(eights and eights[0])): (params, grads, numels)}
+        else:  # one core call per (dtype, 8-bit or not), in the order the kinds first appear
+            buckets = {}
+            for p, g, n, kind in zip(params, grads, numels, zip(dtypes, eights or repeat(False))):
+                bucket = buckets.setdefault(kind, ([], [], []))
+                bucket[0].append(p)
+                bucket[1].append(g)
+                bucket[2].append(n)
+        issues = []
+        for (dtype, eight), bucket in buckets.items():
+            issue = self._prepare_kind_at_once(group, device, dtype, eight, *bucket)
+            if issue is None:
                 return None
-            (eight,) = kept
+            issues.append(issue)
+        return issues
+
+    def _prepare_kind_at_once(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, eight: bool,
+                              params: list[Tensor], grads: list[Tensor], numels: list[int]) -> Callable[[], None] | None:
+        """_prepare_group_at_once's core call for the parameters of one dtype with 8-bit (eight) or fp32 states,
+        or None if a state is not in the form the call needs (missing, or another form to convert)."""
+        options, names = self._bucket_options(group, dtype)  # raises as the general path would
         states = list(map(self.state.get, params, repeat(())))  # () for a parameter without state yet
         if set(map(len, states)) != {3 * len(names) + 2 if eight else len(names) + 1}:
             return None
@@ -311,27 +331,32 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, eight)]
         except KeyError:  # other state names with the same count (options changed): convert
             return None
-        self._check_states_once(group, params, states, names, eight, tensors)
+        self._check_states_once(group, (dtype, eight), params, states, names, eight, tensors)
         state_ptrs = list(map(Tensor.data_ptr, chain.from_iterable(tensors[: len(names)])))
         absmax_ptrs = list(map(Tensor.data_ptr, chain.from_iterable(tensors[len(names) : -1])))
         call = (list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)), state_ptrs, absmax_ptrs,
                 list(map(Tensor.data_ptr, tensors[-1])), numels)
         return self._issuer(group, device, dtype, options, {8 if eight else 32: call}, [])
 
-    def _check_states_once(self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]],
-                           names: list[str], eight: bool, tensors: list[list[Tensor]]) -> None:
-        """_check_state_tensors for every parameter of an at-once step, skipped while the group's state tensors
-        are the very objects checked at an earlier step (an identity test per tensor instead of five checks).
-        A state tensor changed in place by hand (`.data = ...`, `resize_`) is not seen: only replaced ones."""
+    def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.dtype, bool], params: list[Tensor],
+                           states: list[dict[str, Any]], names: list[str], eight: bool,
+                           tensors: list[list[Tensor]]) -> None:
+        """_check_state_tensors for every parameter of an at-once core call, skipped while the state tensors of
+        the group's parameters of this kind (dtype, 8-bit or not) are the very objects checked at an earlier
+        step (an identity test per tensor instead of five checks). A state tensor changed in place by hand
+        (`.data = ...`, `resize_`) is not seen: only replaced ones."""
         checked = self.__dict__.setdefault("_checked_states", {})
-        seen = checked.get(id(group))
-        if (seen is not None and seen[0] is group and len(seen[1]) == len(tensors)
-                and all(len(now) == len(then) and all(map(is_, now, then)) for now, then in zip(tensors, seen[1]))):
+        entry = checked.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = checked[id(group)] = (group, {})  # holds the group: its id cannot be reused meanwhile
+        seen = entry[1].get(kind)
+        if (seen is not None and len(seen) == len(tensors)
+                and all(len(now) == len(then) and all(map(is_, now, then)) for now, then in zip(tensors, seen))):
             return
         owner, block_size = type(self).__name__, group["block_size"]
         for p, state in zip(params, states):
             _check_state_tensors(owner, p, state, names, eight, block_size)
-        checked[id(group)] = (group, tensors)  # holds the group: its id cannot be reused meanwhile
+        entry[1][kind] = tensors
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
