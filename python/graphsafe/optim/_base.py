@@ -569,18 +569,17 @@ def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: li
     kernels read: a state replaced by hand with another dtype, size or device would be read and written out
     of bounds (load_state_dict converts any form; _state_of makes these)."""
     blocks = (p.numel() + block_size - 1) // block_size
-    for key in _state_keys(names, eight):
-        if key == "step":
-            dtype, shape = torch.float32, ()
-        elif key.endswith("_absmax") and eight:
-            dtype, shape = torch.float32, (blocks,)
-        else:
-            dtype, shape = (torch.uint8 if eight else torch.float32), tuple(p.shape)
+    forms = [(name, torch.uint8 if eight else torch.float32, tuple(p.shape)) for name in names]
+    if eight:
+        forms += [(f"{name}_absmax", torch.float32, (blocks,)) for name in names]
+    forms.append(("step", torch.float32, ()))  # in _state_keys' order
+    for key, dtype, shape in forms:
         t = state[key]
         if not (isinstance(t, Tensor) and t.dtype is dtype and tuple(t.shape) == shape and t.device == p.device
                 and t.is_contiguous()):
-            got = (f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor of "
-                   f"shape {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else f"not a tensor but {type(t).__name__} {t!r}")
+            got = (f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor "
+                   f"of shape {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor)
+                   else f"not a tensor but {type(t).__name__} {t!r}")
             raise ValueError(
                 f"{owner}: state '{key}' of a parameter of shape {tuple(p.shape)} is {got}; the step writes it in "
                 f"place as a contiguous {_dtype_text(dtype)} tensor of shape {shape} on {p.device} (a state "
