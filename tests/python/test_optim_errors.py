@@ -271,7 +271,7 @@ def _non_contiguous_param(p):
 ], ids=lambda v: v.__name__.strip("_") if callable(v) else None)
 @pytest.mark.parametrize("state_bits", [32, 8])
 def test_bad_input_in_a_group_the_at_once_path_would_take(spoil, error, match, state_bits):
-    """Groups of 4 or more parameters take the step's at-once gathering (test_optim_properties.py) when all is
+    """Groups of 2 or more parameters take the step's at-once gathering (test_optim_properties.py) when all is
     well; one bad gradient or parameter among them is not let through: the step raises the clear error and
     changes nothing, as it does for a parameter alone."""
     gen = make_generator(48)

@@ -597,7 +597,7 @@ def test_at_once_gathering_of_mixed_groups_and_what_it_leaves_to_the_per_paramet
     """A group of two dtypes, or of 8-bit and fp32 states side by side (sizes on both sides of min_8bit_size,
     as biases and norms are in a real model), is gathered at once with one core call per kind, and steps as
     one optimizer per parameter would. Left to the per-parameter path: a non-contiguous gradient, states from
-    other options, fewer than 4 parameters."""
+    other options, a group of one parameter."""
     gen = make_generator(47)
     mixed_dtypes = [make_params([(40,)], dtype, gen)[0] for dtype in [torch.float32, torch.bfloat16] * 2]
     mixed_sizes = make_params([(100,), (5000,)] * 2, torch.float32, gen)
@@ -631,7 +631,7 @@ def test_at_once_gathering_of_mixed_groups_and_what_it_leaves_to_the_per_paramet
     adam.step()
     assert all("max_exp_avg_sq" in adam.state[q] for q in adam_params)
     assert adam._prepare_group_at_once(adam.param_groups[0]) is not None
-    small = make_params([(30,)] * 3, torch.float32, gen)  # below _AT_ONCE_MIN_PARAMS: the loop is cheaper
+    small = make_params([(30,)], torch.float32, gen)  # below _AT_ONCE_MIN_PARAMS: the loop is cheaper
     sgd = make_opt("SGD", small)
     for q in small:
         q.grad = random_grad((30,), torch.float32, gen)

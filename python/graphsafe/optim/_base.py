@@ -31,7 +31,7 @@ _grad_of, _dtype_of, _device_of = attrgetter("grad"), attrgetter("dtype"), attrg
 _layout_of, _shape_of = attrgetter("layout"), attrgetter("shape")
 _block_size_of = itemgetter("block_size")
 _PLAIN_TENSOR, _STRIDED = {Tensor}, {torch.strided}
-_AT_ONCE_MIN_PARAMS = 4
+_AT_ONCE_MIN_PARAMS = 2  # for one parameter the per-parameter loop is cheaper (this CPU: 12.2 vs 15.7 us, SGD)
 # The raw CUDA stream torch is issuing to on a device (torch.cuda.current_stream builds a Stream object each
 # time, a few microseconds of an eager step); the public call where this private one is missing.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
