@@ -162,7 +162,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         algorithm's states is an incomplete checkpoint: ValueError, instead of a silent restart from zeros."""
         state = self.state[p]
         step = state.get("step", 0.0)
-        if not (isinstance(step, Tensor) and step.dtype == torch.float32 and step.device == p.device and step.dim() == 0):
+        if not _has_form(step, torch.float32, (), p.device):
             state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
         block_size = group["block_size"]
         options = self._core_options(group)
@@ -332,10 +332,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         except KeyError:  # other state names with the same count (options changed): convert
             return None
         self._check_states_once(group, (dtype, eight), params, states, names, eight, tensors)
-        state_ptrs = list(map(Tensor.data_ptr, chain.from_iterable(tensors[: len(names)])))
-        absmax_ptrs = list(map(Tensor.data_ptr, chain.from_iterable(tensors[len(names) : -1])))
-        call = (list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)), state_ptrs, absmax_ptrs,
-                list(map(Tensor.data_ptr, tensors[-1])), numels)
+        call = _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)),
+                          [map(Tensor.data_ptr, key_tensors) for key_tensors in tensors], len(names), numels)
         return self._issuer(group, device, dtype, options, {8 if eight else 32: call}, [])
 
     def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.dtype, bool], params: list[Tensor],
@@ -364,8 +362,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         returns the function that steps it. The general path: any mix of parameters, states to create or
         convert, gradients to make contiguous, and the clear error for a gradient the core cannot take."""
         options, names = self._bucket_options(group, dtype)
-        # Two core calls at most: parameters with fp32 states, and those with 8-bit states.
-        calls = {32: ([], [], [], [], [], []), 8: ([], [], [], [], [], [])}  # params, grads, states, absmax, steps, numels
+        # Two core calls at most: parameters with fp32 states, and those with 8-bit states. Per call: param and
+        # grad addresses, per _state_keys entry its addresses, numels.
+        keys = {32: _state_keys(names, False), 8: _state_keys(names, True)}
+        gathered = {bits: ([], [], [[] for _ in keys[bits]], []) for bits in keys}
         contiguous_copies = []  # alive until the core calls have been issued
         all_states = self.state
         state_len = {32: len(names) + 1, 8: 3 * len(names) + 2}  # step (+ block_size), and per name 1 or 3
@@ -385,24 +385,18 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             eight = _keeps_8bit(any_8bit, min_8bit_size, numel)
             bits = 8 if eight else 32
             state = all_states[p]
-            if len(state) != state_len[bits] or (eight and state.get("block_size") != block_size):
-                state = self._state_of(group, p, names, eight)
-            if not all(key in state for key in _state_keys(names, eight)):  # other names, same count: convert
+            if (len(state) != state_len[bits] or (eight and state.get("block_size") != block_size)
+                    or not all(key in state for key in keys[bits])):  # missing, or another form: convert
                 state = self._state_of(group, p, names, eight)
             _check_state_tensors(type(self).__name__, p, state, names, eight, block_size)
-            addresses = _state_addresses(state, names, eight)
-            param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels = calls[bits]
+            param_ptrs, grad_ptrs, key_ptrs, numels = gathered[bits]
             param_ptrs.append(p.data_ptr())
             grad_ptrs.append(g.data_ptr())
-            state_ptrs.append(addresses[0])
-            if eight:
-                absmax_ptrs.append(addresses[1])
-            step_ptrs.append(addresses[2])
+            for ptrs, key in zip(key_ptrs, keys[bits]):
+                ptrs.append(state[key].data_ptr())
             numels.append(numel)
-        # The core takes the state addresses state by state (state j of tensor t at j * count + t).
-        for call in calls.values():
-            for rows in (call[2], call[3]):
-                rows[:] = [row[j] for j in range(len(names)) for row in rows]
+        calls = {bits: _core_call(param_ptrs, grad_ptrs, key_ptrs, len(names), numels)
+                 for bits, (param_ptrs, grad_ptrs, key_ptrs, numels) in gathered.items()}
         return self._issuer(group, device, dtype, options, calls, contiguous_copies)
 
     def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
@@ -563,20 +557,34 @@ def _state_keys(names: list[str], eight: bool) -> list[str]:
     return names + ([f"{n}_absmax" for n in names] if eight else []) + ["step"]
 
 
+def _state_forms(p: Tensor, names: list[str], eight: bool, block_size: int) -> list[tuple[str, torch.dtype, tuple]]:
+    """Each state entry the core writes through its raw address (_state_keys' order) with the form the kernels
+    read it in: (key, dtype, shape), contiguous on p's device."""
+    blocks = (p.numel() + block_size - 1) // block_size
+
+    def form(key: str) -> tuple[torch.dtype, tuple]:
+        if key == "step":
+            return torch.float32, ()
+        if key in names:
+            return (torch.uint8 if eight else torch.float32), tuple(p.shape)
+        return torch.float32, (blocks,)  # an 8-bit state's absmax
+
+    return [(key, *form(key)) for key in _state_keys(names, eight)]
+
+
+def _has_form(t: Any, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
+    return isinstance(t, Tensor) and t.dtype is dtype and tuple(t.shape) == shape and t.device == device \
+        and t.is_contiguous()
+
+
 def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: list[str], eight: bool,
                          block_size: int) -> None:
     """Raises ValueError unless every state tensor the core writes through its raw address has the form the
     kernels read: a state replaced by hand with another dtype, size or device would be read and written out
     of bounds (load_state_dict converts any form; _state_of makes these)."""
-    blocks = (p.numel() + block_size - 1) // block_size
-    forms = [(name, torch.uint8 if eight else torch.float32, tuple(p.shape)) for name in names]
-    if eight:
-        forms += [(f"{name}_absmax", torch.float32, (blocks,)) for name in names]
-    forms.append(("step", torch.float32, ()))  # in _state_keys' order
-    for key, dtype, shape in forms:
+    for key, dtype, shape in _state_forms(p, names, eight, block_size):
         t = state[key]
-        if not (isinstance(t, Tensor) and t.dtype is dtype and tuple(t.shape) == shape and t.device == p.device
-                and t.is_contiguous()):
+        if not _has_form(t, dtype, shape, p.device):
             got = (f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor "
                    f"of shape {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor)
                    else f"not a tensor but {type(t).__name__} {t!r}")
@@ -586,25 +594,23 @@ def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: li
                 f"replaced by hand must keep that form; load_state_dict converts any)")
 
 
-def _state_addresses(state: dict[str, Any], names: list[str], eight: bool) -> tuple[list[int], list[int], int]:
-    """The raw addresses the core writes: the named states (or their codes), their absmax (8-bit), step."""
-    states = [state[n].data_ptr() for n in names]
-    absmax = [state[f"{n}_absmax"].data_ptr() for n in names] if eight else []
-    return states, absmax, state["step"].data_ptr()
+def _core_call(param_ptrs: list[int], grad_ptrs: list[int], key_ptrs: list[Iterable[int]], state_count: int,
+               numels: list[int]) -> tuple:
+    """One core call's addresses and sizes, as _issuer passes them: key_ptrs holds per _state_keys entry the
+    addresses over the tensors (states, then 8-bit absmax, then steps); the core takes the states and absmax
+    flat, state by state (state j of tensor t at j * count + t)."""
+    return (param_ptrs, grad_ptrs, list(chain.from_iterable(key_ptrs[:state_count])),
+            list(chain.from_iterable(key_ptrs[state_count:-1])), list(key_ptrs[-1]), numels)
 
 
 def _holds_8bit(state: dict[str, Any], name: str, p: Tensor, block_size: int, signed: bool) -> bool:
     """Whether state already holds `name` as 8-bit codes the kernels can use as they are: this block size,
     graphsafe's map, on p's device, the right shapes (anything else is converted)."""
+    forms = {key: (dtype, shape) for key, dtype, shape in _state_forms(p, [name], True, block_size)}
     codes, absmax, qmap = state.get(name), state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
-    if not (isinstance(codes, Tensor) and isinstance(absmax, Tensor) and isinstance(qmap, Tensor)):
-        return False
-    blocks = (p.numel() + block_size - 1) // block_size
-    ok = (state.get("block_size") == block_size and codes.dtype == torch.uint8 and codes.shape == p.shape
-          and codes.device == p.device and codes.is_contiguous() and absmax.dtype == torch.float32
-          and absmax.shape == (blocks,) and absmax.device == p.device and absmax.is_contiguous()
-          and qmap.device == p.device and torch.equal(qmap.cpu(), ops.quantization_map(signed)))
-    return bool(ok)
+    return (state.get("block_size") == block_size and _has_form(codes, *forms[name], p.device)
+            and _has_form(absmax, *forms[f"{name}_absmax"], p.device) and isinstance(qmap, Tensor)
+            and qmap.device == p.device and torch.equal(qmap.cpu(), ops.quantization_map(signed)))
 
 
 def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, owner: str) -> Tensor | None:
