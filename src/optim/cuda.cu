@@ -700,8 +700,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(O
   }
 }
 
-// Adds 1 to up to kMaxSteps steps: without a finish counter one launch ahead of the updates, for the step
-// counts of all tensors; with one, only for a table of empty tensors (no update kernel to count them in).
+// Adds 1 to up to kMaxSteps steps per launch, ahead of the updates: the steps the update kernels do not count
+// (optim_step_cuda).
 constexpr int kMaxSteps = 480;
 struct StepTable {
   int count;
@@ -713,12 +713,12 @@ __global__ void increment_steps_kernel(StepTable table) {
   for (int i = threadIdx.x; i < table.count; i += blockDim.x) *table.step[i] += 1.0f;
 }
 
-template <class Step>  // step(i): the i-th of count step pointers
-void increment_steps(int count, Step step, cudaStream_t stream) {
+void increment_steps(const std::vector<float*>& steps, cudaStream_t stream) {
+  const int count = static_cast<int>(steps.size());
   for (int first = 0; first < count; first += kMaxSteps) {
     StepTable table{};
     table.count = std::min(kMaxSteps, count - first);
-    for (int i = 0; i < table.count; ++i) table.step[i] = step(first + i);
+    for (int i = 0; i < table.count; ++i) table.step[i] = steps[first + i];
     GS_LAUNCH(increment_steps_kernel, 1, kThreads, stream, table);
     GS_CUDA_CHECK_LAUNCH();
   }
@@ -757,10 +757,7 @@ bool update_counts_steps(const OptimStepArgs& a) {
 template <class T, int States, int Bits>
 void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t blocks, float* workspace,
                   std::size_t factors_offset, cudaStream_t stream) {
-  if (blocks == 0) {  // only empty tensors: no update to count their steps in
-    if (table.finish_counter != nullptr) increment_steps(table.count, [&](int i) { return table.step[i]; }, stream);
-    return;
-  }
+  if (blocks == 0) return;
   constexpr auto measure = &measure_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
   constexpr auto apply = &apply_kernel<T, States, Bits>;
   const OptimOptions& o = a.options;
@@ -795,12 +792,9 @@ void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t bloc
 template <class T, int States>
 void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
          std::size_t factors_offset, cudaStream_t stream) {
-  // With a finish counter the update kernels count the steps, so empty tensors join the tables (no chunks)
-  // for their steps to be counted; otherwise they were counted ahead and are left out.
-  const bool kernels_count_steps = update_counts_steps(a);
   const auto new_table = [&] {
     TensorTable table{};
-    if (kernels_count_steps) {
+    if (update_counts_steps(a)) {
       table.step_increment = 1.0f;
       table.finish_counter = a.finish_counter;
     }
@@ -817,7 +811,7 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   };
   for (int t = 0; t < count; ++t) {
     const OptimTensor& x = tensors[t];
-    if (x.numel == 0 && !kernels_count_steps) continue;
+    if (x.numel == 0) continue;  // no update: its step is counted ahead (optim_step_cuda)
     const int i = table.count++;
     table.param[i] = x.param;
     table.grad[i] = x.grad;
@@ -895,8 +889,12 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
                                 " bytes is smaller than the " + std::to_string(needed) + " required");
   auto* ws = static_cast<float*>(workspace);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (a.increment_steps && !update_counts_steps(a))
-    increment_steps(count, [&](int i) { return tensors[i].step; }, s);
+  if (a.increment_steps) {  // the steps the update kernels do not count: all of them, or the empty tensors'
+    std::vector<float*> ahead;
+    for (int t = 0; t < count; ++t)
+      if (!update_counts_steps(a) || tensors[t].numel == 0) ahead.push_back(tensors[t].step);
+    if (!ahead.empty()) increment_steps(ahead, s);
+  }
   switch (a.param_dtype) {
     case DType::Float32: run_typed<float>(a, tensors, count, ws, layout.factors_offset, s); break;
     case DType::Float16: run_typed<f16_t>(a, tensors, count, ws, layout.factors_offset, s); break;
