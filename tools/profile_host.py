@@ -5,25 +5,16 @@ counting the steps, and with a launch of their own doing it), the gathering of o
 and the per-parameter path forced), issuing the core calls (both ways of counting steps), and torch's fused
 step. Microseconds of host time per call, best of 7 runs of 200 calls (the GPU keeps up: these steps
 are bound by the host)."""
-import time
-
 import torch
 
 import graphsafe.optim as go
 import graphsafe.optim._base as base
+from graphsafe.bench.timing import host_us_per_call
 
 
-def per_call_us(fn, calls=200, runs=7):
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(runs):
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - begin)
-        torch.cuda.synchronize()
-    return best / calls * 1e6
+def per_call_us(fn):
+    fn()  # warm
+    return host_us_per_call(fn, torch.device("cuda"))
 
 
 def issuing(o, group, device, pairs):

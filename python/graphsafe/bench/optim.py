@@ -32,7 +32,7 @@ import graphsafe.optim
 
 from .harness import BenchContext, Suite, Target, register_suite
 from .report import first_line, fmt_bool, fmt_bytes, fmt_float, fmt_ms, markdown_table
-from .timing import Timing, gbps, input_set_count, time_function
+from .timing import Timing, gbps, host_us_per_call, input_set_count, time_function
 
 MIB_ELEMENTS = 2**20
 FULL_TOTALS = (4 * MIB_ELEMENTS, 64 * MIB_ELEMENTS, 256 * MIB_ELEMENTS)
@@ -53,7 +53,7 @@ TARGET_8BIT_PCT_COPY_BW = 70.0
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before capture, as torch.cuda.graph's docs ask
 GRAPH_CHECK_REPLAYS = 2  # replays compared bitwise with the same number of eager steps
 HOST_TOTAL = 4 * MIB_ELEMENTS
-HOST_RUNS, HOST_CALLS = 7, 200  # fewer launches than a CUDA stream queues: the host never waits for the GPU
+HOST_RUNS, HOST_CALLS = 7, 200  # timing.host_us_per_call
 BYTES_FORMULA = (
     "numel × (3 × param bytes + 2 × Σ state bytes): param and grad read, param written, each state read and written"
 )
@@ -365,15 +365,8 @@ def measure_host(ctx: BenchContext, case: OptimCase, method: str) -> dict:
     try:
         optimizer = new_optimizer(case, method, ctx.device, ctx.seed)
         optimizer.step()
-        best = float("inf")
-        for _ in range(HOST_RUNS):
-            _synchronize(ctx.device)
-            begin = time.perf_counter()
-            for _ in range(HOST_CALLS):
-                optimizer.step()
-            best = min(best, time.perf_counter() - begin)
-        _synchronize(ctx.device)
-        record |= {"host_us_per_step": round(best / HOST_CALLS * 1e6, 2), "runs": HOST_RUNS, "calls": HOST_CALLS}
+        host_us = host_us_per_call(optimizer.step, ctx.device, HOST_CALLS, HOST_RUNS)
+        record |= {"host_us_per_step": round(host_us, 2), "runs": HOST_RUNS, "calls": HOST_CALLS}
     except Exception as exc:  # one failing method must not hide the others' results
         record["error"] = first_line(exc)
     finally:
