@@ -31,7 +31,9 @@ _grad_of, _dtype_of, _device_of = attrgetter("grad"), attrgetter("dtype"), attrg
 _layout_of, _shape_of = attrgetter("layout"), attrgetter("shape")
 _block_size_of = itemgetter("block_size")
 _PLAIN_TENSOR, _STRIDED = {Tensor}, {torch.strided}
-_AT_ONCE_MIN_PARAMS = 2  # for one parameter the per-parameter loop is cheaper (this CPU: 12.2 vs 15.7 us, SGD)
+# For one parameter the per-parameter loop is cheaper (this CPU, SGD, a group's whole step: 17.1 against 19.1 us;
+# 2 parameters 20.8 against 21.4, 4 parameters 26.6 against 25.7).
+_AT_ONCE_MIN_PARAMS = 2
 # The raw CUDA stream torch is issuing to on a device (torch.cuda.current_stream builds a Stream object each
 # time, a few microseconds of an eager step); the public call where this private one is missing.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -231,8 +233,6 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if issues is not None:
                 pending.extend(issues)
                 continue
-            # The per-parameter path may create or convert states: the at-once path checks them anew.
-            self.__dict__.get("_checked_states", {}).pop(id(group), None)
             # (param, grad) pairs per (device, dtype); each gradient is fetched once per step
             buckets: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = defaultdict(list)
             for p in group["params"]:
@@ -331,30 +331,40 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, eight)]
         except KeyError:  # other state names with the same count (options changed): convert
             return None
-        self._check_states_once(group, (dtype, eight), params, states, names, eight, tensors)
-        call = _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)),
-                          [map(Tensor.data_ptr, key_tensors) for key_tensors in tensors], len(names), numels)
+        call = self._kind_call(group, (device, dtype, eight), params, grads, states, names, tensors, numels)
         return self._issuer(group, device, dtype, options, {8 if eight else 32: call}, [])
 
-    def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.dtype, bool], params: list[Tensor],
-                           states: list[dict[str, Any]], names: list[str], eight: bool,
+    def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, bool], params: list[Tensor],
+                   grads: list[Tensor], states: list[dict[str, Any]], names: list[str], tensors: list[list[Tensor]],
+                   numels: list[int]) -> tuple:
+        """One core call of either gathering path, for parameters of one kind (device, dtype, 8-bit or not)
+        whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters): the
+        state tensors checked (_check_states_once), then their addresses."""
+        self._check_states_once(group, kind, params, states, names, kind[2], tensors)
+        return _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)),
+                          [map(Tensor.data_ptr, key_tensors) for key_tensors in tensors], len(names), numels)
+
+    def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, bool],
+                           params: list[Tensor], states: list[dict[str, Any]], names: list[str], eight: bool,
                            tensors: list[list[Tensor]]) -> None:
-        """_check_state_tensors for every parameter of an at-once core call, skipped while the state tensors of
-        the group's parameters of this kind (dtype, 8-bit or not) are the very objects checked at an earlier
-        step (an identity test per tensor instead of five checks). A state tensor changed in place by hand
-        (`.data = ...`, `resize_`) is not seen: only replaced ones."""
+        """_check_state_tensors for every parameter of a core call, skipped while the group's parameters of this
+        kind (device, dtype, 8-bit or not) have the shapes they had at an earlier step and their state tensors
+        are the very objects checked then (an identity test per tensor instead of five checks; the shapes
+        because a parameter's .data can be replaced by one of another size, which its old states do not fit). A
+        state tensor changed in place by hand (`.data = ...`, `resize_`) is not seen: only replaced ones."""
         checked = self.__dict__.setdefault("_checked_states", {})
         entry = checked.get(id(group))
         if entry is None or entry[0] is not group:
             entry = checked[id(group)] = (group, {})  # holds the group: its id cannot be reused meanwhile
+        shapes = list(map(_shape_of, params))
         seen = entry[1].get(kind)
-        if (seen is not None and len(seen) == len(tensors)
-                and all(len(now) == len(then) and all(map(is_, now, then)) for now, then in zip(tensors, seen))):
+        if (seen is not None and seen[0] == shapes and len(seen[1]) == len(tensors)
+                and all(len(now) == len(then) and all(map(is_, now, then)) for now, then in zip(tensors, seen[1]))):
             return
         owner, block_size = type(self).__name__, group["block_size"]
         for p, state in zip(params, states):
             _check_state_tensors(owner, p, state, names, eight, block_size)
-        entry[1][kind] = tensors
+        entry[1][kind] = (shapes, tensors)
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
@@ -362,13 +372,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         returns the function that steps it. The general path: any mix of parameters, states to create or
         convert, gradients to make contiguous, and the clear error for a gradient the core cannot take."""
         options, names = self._bucket_options(group, dtype)
-        # Two core calls at most: parameters with fp32 states, and those with 8-bit states. Per call: param and
-        # grad addresses, per _state_keys entry its addresses, numels.
-        keys = {32: _state_keys(names, False), 8: _state_keys(names, True)}
-        gathered = {bits: ([], [], [[] for _ in keys[bits]], []) for bits in keys}
+        # Two core calls at most: parameters with fp32 states, and those with 8-bit states.
+        kinds: dict[bool, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[int]]] = {}
         contiguous_copies = []  # alive until the core calls have been issued
         all_states = self.state
-        state_len = {32: len(names) + 1, 8: 3 * len(names) + 2}  # step (+ block_size), and per name 1 or 3
         # What _is_8bit reads, read once per bucket.
         any_8bit, min_8bit_size, block_size = group["state_bits"] == 8, group["min_8bit_size"], group["block_size"]
         strided = torch.strided
@@ -383,20 +390,21 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 contiguous_copies.append(g)
             numel = p.numel()
             eight = _keeps_8bit(any_8bit, min_8bit_size, numel)
-            bits = 8 if eight else 32
             state = all_states[p]
-            if (len(state) != state_len[bits] or (eight and state.get("block_size") != block_size)
-                    or not all(key in state for key in keys[bits])):  # missing, or another form: convert
+            if (len(state) != (3 * len(names) + 2 if eight else len(names) + 1)  # step (+ block_size), 1 or 3 per name
+                    or (eight and state.get("block_size") != block_size)
+                    or not all(key in state for key in _state_keys(names, eight))):  # missing, or another form: convert
                 state = self._state_of(group, p, names, eight)
-            _check_state_tensors(type(self).__name__, p, state, names, eight, block_size)
-            param_ptrs, grad_ptrs, key_ptrs, numels = gathered[bits]
-            param_ptrs.append(p.data_ptr())
-            grad_ptrs.append(g.data_ptr())
-            for ptrs, key in zip(key_ptrs, keys[bits]):
-                ptrs.append(state[key].data_ptr())
-            numels.append(numel)
-        calls = {bits: _core_call(param_ptrs, grad_ptrs, key_ptrs, len(names), numels)
-                 for bits, (param_ptrs, grad_ptrs, key_ptrs, numels) in gathered.items()}
+            kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(eight, ([], [], [], []))
+            kind_params.append(p)
+            kind_grads.append(g)
+            kind_states.append(state)
+            kind_numels.append(numel)
+        calls = {}
+        for eight, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
+            tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, eight)]
+            calls[8 if eight else 32] = self._kind_call(group, (device, dtype, eight), kind_params, kind_grads,
+                                                        kind_states, names, tensors, kind_numels)
         return self._issuer(group, device, dtype, options, calls, contiguous_copies)
 
     def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
