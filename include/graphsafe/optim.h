@@ -1,4 +1,4 @@
-// Optimizer steps with fp32 states for nine algorithms, on many tensors at once, without host syncs.
+// Optimizer steps with fp32, bf16 or 8-bit states for nine algorithms, on many tensors at once, without host syncs.
 //
 // Every update rule is written once (src/optim/rules.h) and shared by the CPU and CUDA backends. The
 // learning rate and the step counter are read from memory at run time (device memory on CUDA), so a step
@@ -44,12 +44,12 @@ struct OptimOptions {
 };
 
 // One parameter tensor of a step. With 32-bit states, `state` holds optim_state_count(options) fp32 buffers
-// of `numel`; with 8-bit states, `codes` holds as many uint8 buffers of `numel` and `absmax` fp32 buffers
-// of ceil(numel / block_size) (see quantize_blockwise).
+// of `numel`; with 16-bit states, as many bf16 buffers; with 8-bit states, `codes` holds as many uint8
+// buffers of `numel` and `absmax` fp32 buffers of ceil(numel / block_size) (see quantize_blockwise).
 struct OptimTensor {
   void* param = nullptr;        // param dtype
   const void* grad = nullptr;   // same dtype as the parameter
-  float* state[4] = {nullptr, nullptr, nullptr, nullptr};
+  void* state[4] = {nullptr, nullptr, nullptr, nullptr};  // fp32 (state_bits 32) or bf16 (16)
   uint8_t* codes[4] = {nullptr, nullptr, nullptr, nullptr};
   float* absmax[4] = {nullptr, nullptr, nullptr, nullptr};
   float* step = nullptr;  // this parameter's step number: 1 on its first step (see OptimStepArgs::increment_steps)
@@ -69,7 +69,9 @@ struct OptimStepArgs {
   // that steps may run on at the same time (an optimizer's steps run in order on one). Null, and for LAMB and
   // LARS: the launch ahead.
   uint32_t* finish_counter = nullptr;
-  // 32: fp32 states; 8: blockwise 8-bit states of block_size elements (a power of two, 32 to 1024).
+  // 32: fp32 states; 16: bf16 states (the update computed in fp32 from them, its results rounded to nearest
+  // even once, as torch's fused steps keep half parameters' states); 8: blockwise 8-bit states of block_size
+  // elements (a power of two, 32 to 1024).
   int state_bits = 32;
   int block_size = 256;
 };

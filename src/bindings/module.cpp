@@ -231,7 +231,7 @@ NB_MODULE(_C, m) {
                                       std::to_string(state_count) + " states each");
         if (absmax.size() != (state_bits == 8 ? state_count * count : 0))
           throw std::invalid_argument("optim_step: 8-bit states need one absmax address per state and tensor, "
-                                      "fp32 states none; got " + std::to_string(absmax.size()));
+                                      "fp32 and bf16 states none; got " + std::to_string(absmax.size()));
         std::vector<OptimTensor> tensors(count);
         for (std::size_t t = 0; t < count; ++t) {
           tensors[t].param = as_pointer(params[t]);
@@ -242,7 +242,7 @@ NB_MODULE(_C, m) {
               tensors[t].codes[j] = static_cast<uint8_t*>(state);
               tensors[t].absmax[j] = static_cast<float*>(as_pointer(absmax[j * count + t]));
             } else {
-              tensors[t].state[j] = static_cast<float*>(state);
+              tensors[t].state[j] = state;
             }
           }
           tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
@@ -262,7 +262,8 @@ NB_MODULE(_C, m) {
       nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("absmax"), nb::arg("steps"), nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"),
       nb::arg("increment_steps"), nb::arg("state_bits"), nb::arg("block_size"), nb::arg("finish_counter"),
-      "states: the fp32 state addresses, or with state_bits=8 the codes' (uint8), state by state: state j of "
+      "states: the fp32 state addresses (bf16 with state_bits=16), or with state_bits=8 the codes' (uint8), state "
+      "by state: state j of "
       "tensor t at j * len(params) + t; absmax the same for the 8-bit scales (empty for fp32 states). "
       "finish_counter: CUDA, the address of a zeroed uint32 (OptimStepArgs::finish_counter), or 0.");
 

@@ -81,8 +81,8 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     throw std::invalid_argument(std::string("optimizer parameters must be float32, float16 or bfloat16, got ") +
                                 dtype_name(a.param_dtype));
   if (a.lr == nullptr) throw std::invalid_argument("optimizer step: lr pointer is null");
-  if (a.state_bits != 32 && a.state_bits != 8)
-    throw std::invalid_argument("optimizer step: state_bits must be 32 or 8, got " + std::to_string(a.state_bits));
+  if (a.state_bits != 32 && a.state_bits != 16 && a.state_bits != 8)
+    throw std::invalid_argument("optimizer step: state_bits must be 32, 16 or 8, got " + std::to_string(a.state_bits));
   if (a.state_bits == 8 && !valid_block_size(a.block_size))
     throw std::invalid_argument("optimizer step: block_size must be a power of two from 32 to 1024, got " +
                                 std::to_string(a.block_size));
@@ -94,7 +94,7 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     if (x.numel > 0 && (x.param == nullptr || x.grad == nullptr))
       throw std::invalid_argument("optimizer step: null param or grad pointer");
     for (int j = 0; j < states; ++j) {
-      const bool present = a.state_bits == 32 ? x.state[j] != nullptr : x.codes[j] != nullptr && x.absmax[j] != nullptr;
+      const bool present = a.state_bits != 8 ? x.state[j] != nullptr : x.codes[j] != nullptr && x.absmax[j] != nullptr;
       if (x.numel > 0 && !present)
         throw std::invalid_argument("optimizer step: state " + std::to_string(j) + " of tensor " + std::to_string(t) +
                                     " is null");

@@ -19,38 +19,40 @@ using namespace optim_detail;
 // idle OpenMP threads very expensive), so small tensors run on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 16;
 
-// One tensor's elements; States is the algorithm's state count, fixed at compile time so the loops over
-// states unroll and the element loop can vectorise.
-template <class T, int States>
+// One tensor's elements with States states stored as S (fp32, or bf16 for 16-bit states); States is the
+// algorithm's state count, fixed at compile time so the loops over states unroll and the element loop can
+// vectorise.
+template <class T, class S, int States>
 struct ElementView {
   const OptimTensor& t;
   float grad(int64_t i) const { return ElementTraits<T>::load(static_cast<const T*>(t.grad)[i]); }
   float param(int64_t i) const { return ElementTraits<T>::load(static_cast<T*>(t.param)[i]); }
+  S* state(int j) const { return static_cast<S*>(t.state[j]); }
   void load_states(int64_t i, float* s) const {
-    for (int j = 0; j < States; ++j) s[j] = t.state[j][i];
-  }
-  void store_states(int64_t i, const float* s) const {
-    for (int j = 0; j < States; ++j) t.state[j][i] = s[j];
+    for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(state(j)[i]);
   }
 };
 
 // Applies rule(g, p, s) to every element whose gradient is not skipped. The rule runs on every element and
 // skipped ones get their loaded values back (the same bits): a loop without branches vectorises.
-template <class T, int States, class Rule>
-void update_elements(const OptimOptions& o, const ElementView<T, States>& e, Rule rule) {
+template <class T, class S, int States, class Rule>
+void update_elements(const OptimOptions& o, const ElementView<T, S, States>& e, Rule rule) {
   T* const param = static_cast<T*>(e.t.param);
 #pragma omp parallel for schedule(static) if (e.t.numel >= kParallelMinElements)
   for (int64_t i = 0; i < e.t.numel; ++i) {
     const float g = e.grad(i);
-    const T p_before = param[i];  // kept as raw bits: a skipped NaN parameter keeps its exact payload
-    float p = ElementTraits<T>::load(p_before), s_before[4] = {}, s[4] = {};
-    e.load_states(i, s_before);
-    for (int j = 0; j < States; ++j) s[j] = s_before[j];
+    // Kept as raw bits: a skipped NaN parameter or 16-bit state keeps its exact payload.
+    const T p_before = param[i];
+    S s_before[4] = {};
+    float p = ElementTraits<T>::load(p_before), s[4] = {};
+    for (int j = 0; j < States; ++j) {
+      s_before[j] = e.state(j)[i];
+      s[j] = ElementTraits<S>::load(s_before[j]);
+    }
     rule(g, p, s);
     const bool keep = skipped(o, g);
-    for (int j = 0; j < States; ++j) s[j] = keep ? s_before[j] : s[j];
     param[i] = keep ? p_before : ElementTraits<T>::store(p);
-    e.store_states(i, s);
+    for (int j = 0; j < States; ++j) e.state(j)[i] = keep ? s_before[j] : ElementTraits<S>::store(s[j]);
   }
 }
 
@@ -88,7 +90,7 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
   }
 }
 
-// ---- the two element loops, for fp32 and 8-bit states ----
+// ---- the element loops, for fp32 or bf16 states and for 8-bit states ----
 
 // Updates every element of the tensor whose gradient is not skipped with rule(g, p, s).
 template <class T, int States, class Rule>
@@ -104,7 +106,8 @@ void update_tensor(const OptimOptions& o, const OptimTensor& t, const OptimStepA
       });
     return;
   }
-  update_elements(o, ElementView<T, States>{t}, rule);
+  if (a.state_bits == 16) update_elements(o, ElementView<T, bf16_t, States>{t}, rule);
+  else update_elements(o, ElementView<T, float, States>{t}, rule);
 }
 
 // Calls visit(offset, g, p, s) for the elements of [begin, end) (a chunk: whole quantisation blocks) in
@@ -121,12 +124,15 @@ void visit_chunk(const OptimOptions& o, const OptimTensor& t, const OptimStepArg
       });
     return;
   }
-  const ElementView<T, States> e{t};
-  for (int64_t i = begin; i < end; ++i) {
-    float s[4] = {};
-    e.load_states(i, s);
-    visit(i - begin, e.grad(i), e.param(i), s);
-  }
+  const auto visit_elements = [&](const auto& e) {
+    for (int64_t i = begin; i < end; ++i) {
+      float s[4] = {};
+      e.load_states(i, s);
+      visit(i - begin, e.grad(i), e.param(i), s);
+    }
+  };
+  if (a.state_bits == 16) visit_elements(ElementView<T, bf16_t, States>{t});
+  else visit_elements(ElementView<T, float, States>{t});
 }
 
 // The algorithm is chosen once per tensor, not per element.

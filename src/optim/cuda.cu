@@ -44,7 +44,7 @@ struct TensorTable {
   uint32_t* finish_counter;
   void* param[kMaxTensors];
   const void* grad[kMaxTensors];
-  void* state[4][kMaxTensors];   // fp32 states, or with 8-bit states their codes (uint8)
+  void* state[4][kMaxTensors];   // fp32 or bf16 states, or with 8-bit states their codes (uint8)
   float* absmax[4][kMaxTensors];  // 8-bit states: one scale per quantisation block
   float* step[kMaxTensors];
   int64_t numel[kMaxTensors];
@@ -54,7 +54,12 @@ struct TensorTable {
 };
 static_assert(sizeof(TensorTable) < 4000, "kernel arguments stay under 4 KB");
 
-__device__ float* fp32_state(const TensorTable& table, int j, int t) { return static_cast<float*>(table.state[j][t]); }
+// The states' storage type for Bits 32 and 16 (8-bit states are codes, read through their maps).
+template <int Bits>
+using StateType = std::conditional_t<Bits == 16, bf16_t, float>;
+
+template <class S>
+__device__ S* unquantized_state(const TensorTable& table, int j, int t) { return static_cast<S*>(table.state[j][t]); }
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -120,11 +125,12 @@ __device__ void finish_steps(const TensorTable& table) {
   for (int64_t block_ = blockIdx.x; block_ < (total_blocks); block_ += gridDim.x) \
     if (const BlockWork w = block_work(table, block_); true)
 
-// The kVec elements at `base` of one tensor: grad, param and the States fp32 states, in registers.
-template <class T, int States>
+// The kVec elements at `base` of one tensor: grad, param and the States states (fp32 or bf16, S) as loaded, in
+// registers (raw: an element that is not updated is stored back with its own bits).
+template <class T, class S, int States>
 struct Packet {
   Pack<T, kVec> g, p;
-  float s[States > 0 ? States : 1][kVec];  // indexed only by unrolled constants: stays in registers
+  Pack<S, kVec> s[States > 0 ? States : 1];  // indexed only by unrolled constants: stays in registers
 };
 
 // 16- or 8-byte vector accesses marked evict-first (__ldcs/__stcs): a step touches every byte once, and
@@ -148,68 +154,66 @@ __device__ void store_streaming(V* p, const V& v) {
   __stcs(reinterpret_cast<Raw*>(p), raw);
 }
 
-template <class T, int States>
-__device__ void load_packet(const TensorTable& table, int tensor, int64_t base, Packet<T, States>& x) {
+template <class T, class S, int States>
+__device__ void load_packet(const TensorTable& table, int tensor, int64_t base, Packet<T, S, States>& x) {
   x.g = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.grad[tensor]) + base));
   x.p = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.param[tensor]) + base));
 #pragma unroll
-  for (int j = 0; j < States; ++j) {
-    const float4 v = load_streaming(reinterpret_cast<const float4*>(fp32_state(table, j, tensor) + base));
-    x.s[j][0] = v.x; x.s[j][1] = v.y; x.s[j][2] = v.z; x.s[j][3] = v.w;
-  }
+  for (int j = 0; j < States; ++j)
+    x.s[j] = load_streaming(reinterpret_cast<const Pack<S, kVec>*>(unquantized_state<S>(table, j, tensor) + base));
 }
 
 // Runs body on the packet's elements and writes back what changed (skipped elements are not written).
-template <class T, int States, class Body>
-__device__ void update_packet(const TensorTable& table, int tensor, int64_t base, Packet<T, States>& x, Body& body) {
+template <class T, class S, int States, class Body>
+__device__ void update_packet(const TensorTable& table, int tensor, int64_t base, Packet<T, S, States>& x, Body& body) {
   bool changed = false;
 #pragma unroll
   for (int e = 0; e < kVec; ++e) {
     float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
-    for (int j = 0; j < States; ++j) s[j] = x.s[j][e];
+    for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(x.s[j].v[e]);
     float p = ElementTraits<T>::load(x.p.v[e]);
     if (body(ElementTraits<T>::load(x.g.v[e]), p, s)) {
       changed = true;
       x.p.v[e] = ElementTraits<T>::store(p);
 #pragma unroll
-      for (int j = 0; j < States; ++j) x.s[j][e] = s[j];
+      for (int j = 0; j < States; ++j) x.s[j].v[e] = ElementTraits<S>::store(s[j]);
     }
   }
   if (!changed) return;
   store_streaming(reinterpret_cast<Pack<T, kVec>*>(static_cast<T*>(table.param[tensor]) + base), x.p);
 #pragma unroll
   for (int j = 0; j < States; ++j)
-    store_streaming(reinterpret_cast<float4*>(fp32_state(table, j, tensor) + base),
-                            make_float4(x.s[j][0], x.s[j][1], x.s[j][2], x.s[j][3]));
+    store_streaming(reinterpret_cast<Pack<S, kVec>*>(unquantized_state<S>(table, j, tensor) + base), x.s[j]);
 }
 
 // Calls body(g, p, s) for each element a thread owns; body returns whether it changed p and s. Aligned
-// tensors go kVec elements at a time, their last partial packet and unaligned tensors one at a time.
-template <class T, int States, class Body>
+// tensors go kVec elements at a time, their last partial packet and unaligned tensors one at a time. S: the
+// states' storage type (fp32, or bf16 for 16-bit states).
+template <class T, class S, int States, class Body>
 __device__ void for_each_element(const TensorTable& table, const BlockWork& w, Body body) {
   T* param = static_cast<T*>(table.param[w.tensor]);
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
   bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
 #pragma unroll
-  for (int j = 0; j < States; ++j) wide = wide && aligned(fp32_state(table, j, w.tensor), 16);
+  for (int j = 0; j < States; ++j) wide = wide && aligned(unquantized_state<S>(table, j, w.tensor), sizeof(S) * kVec);
   for (int it = 0; it < kIterations; ++it) {
     const int64_t base = w.begin + (int64_t(it) * kThreads + threadIdx.x) * kVec;
     if (base >= w.end) break;
     if (wide && base + kVec <= w.end) {
-      Packet<T, States> x;
+      Packet<T, S, States> x;
       load_packet(table, w.tensor, base, x);
       update_packet(table, w.tensor, base, x, body);
     } else {
       for (int64_t i = base; i < min(base + kVec, w.end); ++i) {
         float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
-        for (int j = 0; j < States; ++j) s[j] = fp32_state(table, j, w.tensor)[i];
+        for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(unquantized_state<S>(table, j, w.tensor)[i]);
         float p = ElementTraits<T>::load(param[i]);
         if (body(ElementTraits<T>::load(grad[i]), p, s)) {
           param[i] = ElementTraits<T>::store(p);
 #pragma unroll
-          for (int j = 0; j < States; ++j) fp32_state(table, j, w.tensor)[i] = s[j];
+          for (int j = 0; j < States; ++j) unquantized_state<S>(table, j, w.tensor)[i] = ElementTraits<S>::store(s[j]);
         }
       }
     }
@@ -533,7 +537,7 @@ __device__ bool whole_chunk_path(const TensorTable& table, const BlockWork& w, i
   return ok;
 }
 
-// The element loop of the kernels below, for fp32 (Bits 32) or 8-bit (Bits 8) states: body(g, p, s)
+// The element loop of the kernels below, for fp32 (Bits 32), bf16 (Bits 16) or 8-bit (Bits 8) states: body(g, p, s)
 // returns whether it updated the element; with Writes the updates are stored, without, nothing is.
 template <class T, int States, int Bits, bool Writes, class Body>
 __device__ void for_each(const OptimOptions& o, const TensorTable& table, const BlockWork& w, int block_size,
@@ -547,7 +551,7 @@ __device__ void for_each(const OptimOptions& o, const TensorTable& table, const 
     }
     for_each_quantized_element<T, States, Writes>(o, table, w, block_size, maps, body);
   } else {
-    for_each_element<T, States>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
+    for_each_element<T, StateType<Bits>, States>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
   }
 }
 
@@ -565,7 +569,7 @@ __device__ OptimOptions with_known_options(const OptimOptions& o) {
 
 // The 8-bit kernels are instruction-bound and hide latency with more resident warps: their registers are
 // capped so that 3 blocks fit on an SM (85 registers; the compiler alone took 92, 2 blocks, on the H200; a cap at
-// 4 blocks spilled 340 bytes per thread in AdamW). The fp32-state kernels are capped at 5 blocks (46 registers).
+// 4 blocks spilled 340 bytes per thread in AdamW). The fp32- and bf16-state kernels are capped at 5 blocks (46 registers).
 // The element-wise 8-bit kernels with FastMath fit 4 blocks (64 registers, no spill with 2 states, 4 bytes with
 // 3): on the H200 AdamW at 64M went from 0.377 to 0.357 ms (fp32) and 0.362 to 0.336 ms (bf16) in one lease.
 template <int Bits>
@@ -573,16 +577,16 @@ constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 5;
 template <class Math>
 constexpr int QuantizedElementwiseBlocksPerSM = std::is_same_v<Math, FastMath> ? 4 : MinBlocksPerSM<8>;
 
-// Element-wise algorithms with fp32 states: memory-bound, so few registers matter more than branches (rules.h,
-// elementwise_step switches per element).
-template <class T, int States>
-__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<32>)
+// Element-wise algorithms with fp32 or bf16 states (Bits 32 or 16): memory-bound, so few registers matter more
+// than branches (rules.h, elementwise_step switches per element).
+template <class T, int States, int Bits>
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
     elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks, int block_size) {
   __shared__ Coefficients k;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
-    for_each<T, States, 32, true>(o, table, w, block_size, nullptr, [&](float g, float& p, float* s) {
+    for_each<T, States, Bits, true>(o, table, w, block_size, nullptr, [&](float g, float& p, float* s) {
       if (skipped(o, g)) return false;
       elementwise_step(o, k, g, p, s);
       return true;
@@ -775,7 +779,7 @@ void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t bloc
         }
       });
     } else {
-      constexpr auto kernel = &elementwise_kernel<T, States>;
+      constexpr auto kernel = &elementwise_kernel<T, States, Bits>;
       GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b);
     }
     GS_CUDA_CHECK_LAUNCH();
@@ -805,6 +809,7 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   auto flush = [&]() {
     table.first_block[table.count] = blocks;
     if (a.state_bits == 8) launch_table<T, States, 8>(a, table, blocks, workspace, factors_offset, stream);
+    else if (a.state_bits == 16) launch_table<T, States, 16>(a, table, blocks, workspace, factors_offset, stream);
     else launch_table<T, States, 32>(a, table, blocks, workspace, factors_offset, stream);
     table = new_table();
     blocks = 0;

@@ -147,16 +147,17 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     # ---- the step ----
 
-    def _is_8bit(self, group: dict[str, Any], p: Tensor) -> bool:
-        """Whether p keeps 8-bit states: state_bits=8 and at least min_8bit_size elements."""
-        return _keeps_8bit(group["state_bits"] == 8, group["min_8bit_size"], p.numel())
+    def _bits_of(self, group: dict[str, Any], p: Tensor) -> int:
+        """How p's states are stored (32, 16 or 8 bits; _storage_bits)."""
+        return _storage_bits(group["state_bits"], group["min_8bit_size"], p.numel())
 
-    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str], eight: bool,
+    def _state_of(self, group: dict[str, Any], p: Tensor, names: list[str], bits: int,
                   loading: bool = False) -> dict[str, Any]:
         """p's state in the form the core needs, created on its first step and converted when the form
         changed (a state_dict of the other kind was loaded, or state_bits / block_size was changed).
 
-        fp32 form: 'step' and one fp32 tensor per name. 8-bit form: 'step', 'block_size' and per name the
+        fp32 form (bits 32): 'step' and one fp32 tensor per name; bf16 form (16): the same in bf16. 8-bit form:
+        'step', 'block_size' and per name the
         codes (uint8, p's shape), '<name>_absmax' (fp32, one per block) and '<name>_qmap' (the 256-value map
         the codes index). A state an option turns on later (e.g. SGD momentum set after the first step)
         starts from its initial value (zeros; torch's SGD would start the buffer as a copy of the gradient,
@@ -169,10 +170,12 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         block_size = group["block_size"]
         options = self._core_options(group)
         updates: dict[str, dict[str, Tensor]] = {}
+        unquantized = _UNQUANTIZED_STATE_DTYPES.get(bits)
         for j, name in enumerate(names):
             signed = _C.optim_state_is_signed(self.algorithm, options, j)
-            if eight and _holds_8bit(state, name, p, block_size, signed):
-                continue
+            if (_holds_8bit(state, name, p, block_size, signed) if bits == 8
+                    else _has_form(state.get(name), unquantized, tuple(p.shape), p.device)):
+                continue  # kept as it is (its raw bits, NaN payloads included)
             value = _state_as_fp32(state, name, p, type(self).__name__)
             if value is None:
                 if loading:
@@ -181,18 +184,18 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                         f"has no '{name}' (it has {sorted(state)}); {type(self).__name__} with the saved options keeps "
                         f"{names}")
                 value = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
-            if eight:
+            if bits == 8:
                 codes, absmax = ops.quantize_blockwise(value, block_size, signed)
                 updates[name] = {name: codes, f"{name}_absmax": absmax,
                                  f"{name}_qmap": ops.quantization_map(signed, p.device)}
-            else:
-                updates[name] = {name: value}
+            else:  # fp32, or rounded to nearest bf16
+                updates[name] = {name: value.to(unquantized)}
         # Applied only once every state converted: a failure above leaves the state as it was.
         for name, entries in updates.items():
             for key in (f"{name}_absmax", f"{name}_qmap"):
                 state.pop(key, None)
             state.update(entries)
-        if eight:
+        if bits == 8:
             state["block_size"] = block_size
         else:
             state.pop("block_size", None)
@@ -294,61 +297,67 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             return None
         (device,) = devices
         numels = list(map(Tensor.numel, params))
-        if group["state_bits"] == 8:
+        state_bits = group["state_bits"]
+        if state_bits == 8:  # 8 bits from min_8bit_size elements, fp32 below
             min_8bit_size = group["min_8bit_size"]
-            eights = [_keeps_8bit(True, min_8bit_size, n) for n in numels]
+            bits = [_storage_bits(8, min_8bit_size, n) for n in numels]
         else:
-            eights = None
-        if len(set(dtypes)) == 1 and (eights is None or len(set(eights)) == 1):
-            buckets = {(dtypes[0], bool(eights and eights[0])): (params, grads, numels)}
-        else:  # one core call per (dtype, 8-bit or not), in the order the kinds first appear
+            bits = None  # all state_bits
+        if len(set(dtypes)) == 1 and (bits is None or len(set(bits)) == 1):
+            buckets = {(dtypes[0], bits[0] if bits else state_bits): (params, grads, numels)}
+        else:  # one core call per (dtype, storage bits), in the order the kinds first appear
             buckets = {}
-            for p, g, n, kind in zip(params, grads, numels, zip(dtypes, eights or repeat(False))):
+            for p, g, n, kind in zip(params, grads, numels, zip(dtypes, bits or repeat(state_bits))):
                 bucket = buckets.setdefault(kind, ([], [], []))
                 bucket[0].append(p)
                 bucket[1].append(g)
                 bucket[2].append(n)
         issues = []
-        for (dtype, eight), bucket in buckets.items():
-            issue = self._prepare_kind_at_once(group, device, dtype, eight, *bucket)
+        for (dtype, kind_bits), bucket in buckets.items():
+            issue = self._prepare_kind_at_once(group, device, dtype, kind_bits, *bucket)
             if issue is None:
                 return None
             issues.append(issue)
         return issues
 
-    def _prepare_kind_at_once(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, eight: bool,
+    def _prepare_kind_at_once(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, bits: int,
                               params: list[Tensor], grads: list[Tensor], numels: list[int]) -> Callable[[], None] | None:
-        """_prepare_group_at_once's core call for the parameters of one dtype with 8-bit (eight) or fp32 states,
-        or None if a state is not in the form the call needs (missing, or another form to convert)."""
+        """_prepare_group_at_once's core call for the parameters of one dtype whose states are stored in `bits`
+        (32, 16 or 8), or None if a state is not in the form the call needs (missing, or another form to
+        convert)."""
         options, names = self._bucket_options(group, dtype)  # raises as the general path would
         states = list(map(self.state.get, params, repeat(())))  # () for a parameter without state yet
-        if set(map(len, states)) != {3 * len(names) + 2 if eight else len(names) + 1}:
+        if set(map(len, states)) != {_state_entry_count(names, bits)}:
             return None
         try:
-            if eight and set(map(_block_size_of, states)) != {group["block_size"]}:
+            if bits == 8 and set(map(_block_size_of, states)) != {group["block_size"]}:
                 return None
             # key by key (states, absmax, steps), as the core takes them
-            tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, eight)]
+            tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, bits)]
+            if bits != 8 and names and set(map(_dtype_of, tensors[0])) != {_UNQUANTIZED_STATE_DTYPES[bits]}:
+                return None  # fp32 states under state_bits=16, or the other way round: convert
         except KeyError:  # other state names with the same count (options changed): convert
             return None
-        call = self._kind_call(group, (device, dtype, eight), params, grads, states, names, tensors, numels)
-        return self._issuer(group, device, dtype, options, {8 if eight else 32: call}, [])
+        except AttributeError:  # a state replaced by hand with something else than a tensor: the clear error
+            return None
+        call = self._kind_call(group, (device, dtype, bits), params, grads, states, names, tensors, numels)
+        return self._issuer(group, device, dtype, options, {bits: call}, [])
 
-    def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, bool], params: list[Tensor],
+    def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int], params: list[Tensor],
                    grads: list[Tensor], states: list[dict[str, Any]], names: list[str], tensors: list[list[Tensor]],
                    numels: list[int]) -> tuple:
-        """One core call of either gathering path, for parameters of one kind (device, dtype, 8-bit or not)
+        """One core call of either gathering path, for parameters of one kind (device, dtype, state bits)
         whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters): the
         state tensors checked (_check_states_once), then their addresses."""
         self._check_states_once(group, kind, params, states, names, kind[2], tensors)
         return _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)),
                           [map(Tensor.data_ptr, key_tensors) for key_tensors in tensors], len(names), numels)
 
-    def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, bool],
-                           params: list[Tensor], states: list[dict[str, Any]], names: list[str], eight: bool,
+    def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int],
+                           params: list[Tensor], states: list[dict[str, Any]], names: list[str], bits: int,
                            tensors: list[list[Tensor]]) -> None:
         """_check_state_tensors for every parameter of a core call, skipped while the group's parameters of this
-        kind (device, dtype, 8-bit or not) have the shapes they had at an earlier step and their state tensors
+        kind (device, dtype, state bits) have the shapes they had at an earlier step and their state tensors
         are the very objects checked then (an identity test per tensor instead of five checks; the shapes
         because a parameter's .data can be replaced by one of another size, which its old states do not fit). A
         state tensor changed in place by hand (`.data = ...`, `resize_`) is not seen: only replaced ones."""
@@ -363,7 +372,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             return
         owner, block_size = type(self).__name__, group["block_size"]
         for p, state in zip(params, states):
-            _check_state_tensors(owner, p, state, names, eight, block_size)
+            _check_state_tensors(owner, p, state, names, bits, block_size)
         entry[1][kind] = (shapes, tensors)
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -372,12 +381,12 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         returns the function that steps it. The general path: any mix of parameters, states to create or
         convert, gradients to make contiguous, and the clear error for a gradient the core cannot take."""
         options, names = self._bucket_options(group, dtype)
-        # Two core calls at most: parameters with fp32 states, and those with 8-bit states.
-        kinds: dict[bool, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[int]]] = {}
+        # Two core calls at most: with state_bits=8, parameters with fp32 states and those with 8-bit states.
+        kinds: dict[int, tuple[list[Tensor], list[Tensor], list[dict[str, Any]], list[int]]] = {}
         contiguous_copies = []  # alive until the core calls have been issued
         all_states = self.state
-        # What _is_8bit reads, read once per bucket.
-        any_8bit, min_8bit_size, block_size = group["state_bits"] == 8, group["min_8bit_size"], group["block_size"]
+        # What _bits_of reads, read once per bucket.
+        state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
         for p, g in pairs:
             if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
@@ -389,21 +398,21 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 g = g.contiguous()
                 contiguous_copies.append(g)
             numel = p.numel()
-            eight = _keeps_8bit(any_8bit, min_8bit_size, numel)
+            bits = _storage_bits(state_bits, min_8bit_size, numel)
             state = all_states[p]
-            if (len(state) != (3 * len(names) + 2 if eight else len(names) + 1)  # step (+ block_size), 1 or 3 per name
-                    or (eight and state.get("block_size") != block_size)
-                    or not all(key in state for key in _state_keys(names, eight))):  # missing, or another form: convert
-                state = self._state_of(group, p, names, eight)
-            kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(eight, ([], [], [], []))
+            if (len(state) != _state_entry_count(names, bits) or (bits == 8 and state.get("block_size") != block_size)
+                    or not all(key in state for key in _state_keys(names, bits))
+                    or (bits != 8 and names and getattr(state[names[0]], "dtype", None) is _OTHER_UNQUANTIZED[bits])):
+                state = self._state_of(group, p, names, bits)  # missing, or another form: convert
+            kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(bits, ([], [], [], []))
             kind_params.append(p)
             kind_grads.append(g)
             kind_states.append(state)
             kind_numels.append(numel)
         calls = {}
-        for eight, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
-            tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, eight)]
-            calls[8 if eight else 32] = self._kind_call(group, (device, dtype, eight), kind_params, kind_grads,
+        for bits, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
+            tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, bits)]
+            calls[bits] = self._kind_call(group, (device, dtype, bits), kind_params, kind_grads,
                                                         kind_states, names, tensors, kind_numels)
         return self._issuer(group, device, dtype, options, calls, contiguous_copies)
 
@@ -541,31 +550,46 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             names = self._state_names(group)
             for p in group["params"]:
                 if self.state.get(p):
-                    self._state_of(group, p, names, self._is_8bit(group, p), loading=True)
+                    self._state_of(group, p, names, self._bits_of(group, p), loading=True)
 
 
 def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any) -> None:
     """The group options that say how states are stored (checked at construction and at every step, since a
     param group can be edited in between)."""
-    if state_bits not in (32, 8) or isinstance(state_bits, bool):
-        raise ValueError(f"state_bits must be 32 or 8, got {state_bits!r}")
+    if state_bits not in (32, 16, 8) or isinstance(state_bits, bool):
+        raise ValueError(f"state_bits must be 32, 16 or 8, got {state_bits!r}")
     ops.check_block_size(block_size)
     if not isinstance(min_8bit_size, int) or isinstance(min_8bit_size, bool) or min_8bit_size < 0:
         raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
 
 
-def _keeps_8bit(state_bits_is_8: bool, min_8bit_size: int, numel: int) -> bool:
-    """The rule for which parameters keep 8-bit states: state_bits=8 and at least min_8bit_size elements."""
-    return state_bits_is_8 and numel >= min_8bit_size
+def _storage_bits(state_bits: int, min_8bit_size: int, numel: int) -> int:
+    """How a parameter of numel elements keeps its states under a group's state_bits: 8-bit codes from
+    min_8bit_size elements (fp32 below), bf16 for every parameter under 16, fp32 under 32."""
+    if state_bits == 8:
+        return 8 if numel >= min_8bit_size else 32
+    return state_bits
 
 
-def _state_keys(names: list[str], eight: bool) -> list[str]:
-    """The state entries the core writes through raw addresses: per name the fp32 state or the 8-bit codes,
-    the 8-bit absmax, and the step."""
-    return names + ([f"{n}_absmax" for n in names] if eight else []) + ["step"]
+# The dtype of the states that are not quantised, per storage bits; and the other one, whose states a step
+# converts (state_bits changed between 32 and 16; any other dtype is a state replaced by hand: rejected).
+_UNQUANTIZED_STATE_DTYPES = {32: torch.float32, 16: torch.bfloat16}
+_OTHER_UNQUANTIZED = {32: torch.bfloat16, 16: torch.float32}
 
 
-def _state_forms(p: Tensor, names: list[str], eight: bool, block_size: int) -> list[tuple[str, torch.dtype, tuple]]:
+def _state_keys(names: list[str], bits: int) -> list[str]:
+    """The state entries the core writes through raw addresses: per name the state (fp32, bf16) or the 8-bit
+    codes, the 8-bit absmax, and the step."""
+    return names + ([f"{n}_absmax" for n in names] if bits == 8 else []) + ["step"]
+
+
+def _state_entry_count(names: list[str], bits: int) -> int:
+    """How many entries a parameter's state holds in the form `bits` needs: step (+ block_size for 8 bits), and
+    per name the state (+ its absmax and map for 8 bits)."""
+    return 3 * len(names) + 2 if bits == 8 else len(names) + 1
+
+
+def _state_forms(p: Tensor, names: list[str], bits: int, block_size: int) -> list[tuple[str, torch.dtype, tuple]]:
     """Each state entry the core writes through its raw address (_state_keys' order) with the form the kernels
     read it in: (key, dtype, shape), contiguous on p's device."""
     blocks = (p.numel() + block_size - 1) // block_size
@@ -574,10 +598,10 @@ def _state_forms(p: Tensor, names: list[str], eight: bool, block_size: int) -> l
         if key == "step":
             return torch.float32, ()
         if key in names:
-            return (torch.uint8 if eight else torch.float32), tuple(p.shape)
+            return (torch.uint8 if bits == 8 else _UNQUANTIZED_STATE_DTYPES[bits]), tuple(p.shape)
         return torch.float32, (blocks,)  # an 8-bit state's absmax
 
-    return [(key, *form(key)) for key in _state_keys(names, eight)]
+    return [(key, *form(key)) for key in _state_keys(names, bits)]
 
 
 def _has_form(t: Any, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
@@ -585,12 +609,12 @@ def _has_form(t: Any, dtype: torch.dtype, shape: tuple, device: torch.device) ->
         and t.is_contiguous()
 
 
-def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: list[str], eight: bool,
+def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: list[str], bits: int,
                          block_size: int) -> None:
     """Raises ValueError unless every state tensor the core writes through its raw address has the form the
     kernels read: a state replaced by hand with another dtype, size or device would be read and written out
     of bounds (load_state_dict converts any form; _state_of makes these)."""
-    for key, dtype, shape in _state_forms(p, names, eight, block_size):
+    for key, dtype, shape in _state_forms(p, names, bits, block_size):
         t = state[key]
         if not _has_form(t, dtype, shape, p.device):
             got = (f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor "
@@ -614,7 +638,7 @@ def _core_call(param_ptrs: list[int], grad_ptrs: list[int], key_ptrs: list[Itera
 def _holds_8bit(state: dict[str, Any], name: str, p: Tensor, block_size: int, signed: bool) -> bool:
     """Whether state already holds `name` as 8-bit codes the kernels can use as they are: this block size,
     graphsafe's map, on p's device, the right shapes (anything else is converted)."""
-    forms = {key: (dtype, shape) for key, dtype, shape in _state_forms(p, [name], True, block_size)}
+    forms = {key: (dtype, shape) for key, dtype, shape in _state_forms(p, [name], 8, block_size)}
     codes, absmax, qmap = state.get(name), state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
     return (state.get("block_size") == block_size and _has_form(codes, *forms[name], p.device)
             and _has_form(absmax, *forms[f"{name}_absmax"], p.device) and isinstance(qmap, Tensor)

@@ -1,8 +1,8 @@
 // The optimizer's CUDA kernels (src/optim/cuda.cu compiled as C++ against emulation/common/cuda_check.h)
 // against the CPU backend, on problems chosen to reach every path: all nine algorithms, fp32/bf16/fp16,
 // skip_zeros on and off, sizes below, at and above a 4096-element chunk and not multiples of 4, pointers off
-// 16-byte alignment, more tensors than one launch holds (32), and empty tensors; and 8-bit states
-// (state_bits = 8) with block sizes 32 to 1024; steps counted by the update kernels (a finish counter) or by a
+// 16-byte alignment, more tensors than one launch holds (32), and empty tensors; bf16 states (state_bits = 16);
+// and 8-bit states (state_bits = 8) with block sizes 32 to 1024; steps counted by the update kernels (a finish counter) or by a
 // launch ahead. This is CI's check of the
 // kernels' logic (indexing, barriers, shared memory, launch tables); the GPU itself is checked by
 // tests/python/test_optim_cuda.py on a device.
@@ -28,8 +28,9 @@ uint32_t raw_bits(T x) {
 }
 
 // Runs `steps` steps of the same problem through both backends; returns the number of mismatches. With
-// state_bits = 8 the states are blockwise 8-bit codes of block_size elements. Both backends run the same
-// fp32 operations in the same order, so parameters, codes and absmax must agree bit for bit.
+// state_bits = 16 the states are bf16 (in the float buffers' bytes), with state_bits = 8 blockwise 8-bit codes
+// of block_size elements. Both backends run the same fp32 operations in the same order, so parameters, states
+// (or codes and absmax) must agree bit for bit.
 template <class T>
 int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, int state_bits = 32,
             int block_size = 256) {
@@ -87,8 +88,13 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, 
       emu[t].param = param_emu[t].data() + offset[t];
       cpu[t].grad = emu[t].grad = grad[t].data() + offset[t];
       for (int j = 0; j < states; ++j) {
-        cpu[t].state[j] = state_cpu[t][j].data() + (offset[t] ? 1 : 0);
-        emu[t].state[j] = state_emu[t][j].data() + (offset[t] ? 1 : 0);
+        if (state_bits == 16) {  // bf16 states in the float buffers' (zeroed) bytes, one element off alignment
+          cpu[t].state[j] = reinterpret_cast<bf16_t*>(state_cpu[t][j].data()) + (offset[t] ? 1 : 0);
+          emu[t].state[j] = reinterpret_cast<bf16_t*>(state_emu[t][j].data()) + (offset[t] ? 1 : 0);
+        } else {
+          cpu[t].state[j] = state_cpu[t][j].data() + (offset[t] ? 1 : 0);
+          emu[t].state[j] = state_emu[t][j].data() + (offset[t] ? 1 : 0);
+        }
         if (state_bits == 8) {  // codes off 4-byte alignment too (the scalar path)
           cpu[t].codes[j] = codes_cpu[t][j].data() + (offset[t] ? 1 : 0);
           emu[t].codes[j] = codes_emu[t][j].data() + (offset[t] ? 1 : 0);
@@ -134,6 +140,14 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, 
       // skip_zeros: an element whose gradient was zero on every step keeps its exact bits on both backends.
       if (never_updated[t][i] && raw_bits(param_emu[t][offset[t] + i]) != raw_bits(param_start[t][offset[t] + i]))
         ++mismatches;
+    }
+    // fp32 or bf16 states: every byte of their buffers (what lies past the states is 0 on both).
+    for (int j = 0; state_bits != 8 && j < states; ++j) {
+      if (std::memcmp(state_cpu[t][j].data(), state_emu[t][j].data(), state_cpu[t][j].size() * sizeof(float)) != 0) {
+        ADD_FAILURE() << "algorithm " << int(o.algorithm) << " " << state_bits << "-bit states, tensor " << t
+                      << " state " << j << ": the backends' states differ";
+        return mismatches + 1;
+      }
     }
     for (int j = 0; state_bits == 8 && j < states; ++j) {
       for (int64_t i = 0; i < numel[t]; ++i) {
@@ -195,6 +209,8 @@ TEST(OptimKernelsEmulated, MatchTheCpuBackend) {
           << "8-bit bf16, algorithm " << algorithm;
       EXPECT_EQ(compare<f16_t>(o, 6, 2, seed + 5, DType::Float16, 8, 256), 0)
           << "8-bit fp16, algorithm " << algorithm;
+      EXPECT_EQ(compare<float>(o, 12, 2, seed + 6, DType::Float32, 16), 0) << "16-bit fp32, algorithm " << algorithm;
+      EXPECT_EQ(compare<bf16_t>(o, 36, 2, seed + 7, DType::BFloat16, 16), 0) << "16-bit bf16, algorithm " << algorithm;
     }
   }
 }
