@@ -8,7 +8,8 @@ nearest even once. So the references here are:
   parameters, sizes that are not multiples of the vector width and unaligned pointers, scattered zeros with
   skip_zeros on;
 * torch's fused AdamW, Adam, SGD and Adagrad, which keep bf16 parameters' states in bf16 and compute in fp32:
-  within 2 bf16 ulps of the operands' magnitude (SGD on CUDA only: torch's fused CPU SGD is off on bf16);
+  within 2 bf16 ulps of the operands' magnitude (SGD on CUDA only: torch's fused CPU SGD is off on
+  bf16; Adagrad on the CPU only: torch has no fused CUDA Adagrad);
 * skip_zeros: skipped elements keep the parameter and every state bit-identical (raw bits: a NaN state's
   payload too), with weight decay on;
 * storage changes: state_bits set from 32 to 16 between steps rounds the states, from 16 to 32 widens them
@@ -132,7 +133,10 @@ def test_16bit_states_match_torch_fused_on_bf16_parameters(name, device):
     gen = make_generator(1601)
     ours = make_params([(3000,)], torch.bfloat16, gen, device=device)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    torch_opt = torch_cls(theirs, fused=True, **kw)
+    try:
+        torch_opt = torch_cls(theirs, fused=True, **kw)
+    except RuntimeError as exc:  # torch 2.11 has no fused Adagrad on CUDA
+        pytest.skip(f"torch has no fused {name} on {device}: {exc}")
     our_opt = ours_cls(ours, state_bits=16, **kw)
     for step in range(10):
         g = random_grad((3000,), torch.bfloat16, gen).to(device)
