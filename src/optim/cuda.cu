@@ -187,52 +187,36 @@ __device__ void update_packet(const TensorTable& table, int tensor, int64_t base
     store_streaming(reinterpret_cast<Pack<S, kVec>*>(unquantized_state<S>(table, j, tensor) + base), x.s[j]);
 }
 
-// Calls body(g, p, s) for each element a thread owns, in increasing order; body returns whether it changed p and
-// s. Aligned tensors go kVec elements at a time, their last partial packet and unaligned tensors one at a time.
-// S: the states' storage type (fp32, or bf16 for 16-bit states). A thread loads InFlight packets before it
-// updates the first (elementwise_kernel, InFlightPackets, says when more than one).
-template <class T, class S, int States, int InFlight, class Body>
+// Calls body(g, p, s) for each element a thread owns; body returns whether it changed p and s. Aligned
+// tensors go kVec elements at a time, their last partial packet and unaligned tensors one at a time. S: the
+// states' storage type (fp32, or bf16 for 16-bit states).
+template <class T, class S, int States, class Body>
 __device__ void for_each_element(const TensorTable& table, const BlockWork& w, Body body) {
-  static_assert(kIterations % InFlight == 0, "a chunk is whole groups of packets");
-  constexpr int64_t kStride = int64_t(kThreads) * kVec;  // between a thread's packets
   T* param = static_cast<T*>(table.param[w.tensor]);
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
   bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
 #pragma unroll
   for (int j = 0; j < States; ++j) wide = wide && aligned(unquantized_state<S>(table, j, w.tensor), sizeof(S) * kVec);
-  const auto one_packet = [&](int64_t base) {
+  for (int it = 0; it < kIterations; ++it) {
+    const int64_t base = w.begin + (int64_t(it) * kThreads + threadIdx.x) * kVec;
+    if (base >= w.end) break;
     if (wide && base + kVec <= w.end) {
       Packet<T, S, States> x;
       load_packet(table, w.tensor, base, x);
       update_packet(table, w.tensor, base, x, body);
-      return;
-    }
-    for (int64_t i = base; i < min(base + kVec, w.end); ++i) {
-      float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
+    } else {
+      for (int64_t i = base; i < min(base + kVec, w.end); ++i) {
+        float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
-      for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(unquantized_state<S>(table, j, w.tensor)[i]);
-      float p = ElementTraits<T>::load(param[i]);
-      if (body(ElementTraits<T>::load(grad[i]), p, s)) {
-        param[i] = ElementTraits<T>::store(p);
+        for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(unquantized_state<S>(table, j, w.tensor)[i]);
+        float p = ElementTraits<T>::load(param[i]);
+        if (body(ElementTraits<T>::load(grad[i]), p, s)) {
+          param[i] = ElementTraits<T>::store(p);
 #pragma unroll
-        for (int j = 0; j < States; ++j) unquantized_state<S>(table, j, w.tensor)[i] = ElementTraits<S>::store(s[j]);
+          for (int j = 0; j < States; ++j) unquantized_state<S>(table, j, w.tensor)[i] = ElementTraits<S>::store(s[j]);
+        }
       }
     }
-  };
-  for (int it = 0; it < kIterations; it += InFlight) {
-    const int64_t first = w.begin + (int64_t(it) * kThreads + threadIdx.x) * kVec;
-    if (first >= w.end) break;
-    if (InFlight > 1 && wide && first + (InFlight - 1) * kStride + kVec <= w.end) {
-      Packet<T, S, States> x[InFlight];
-#pragma unroll
-      for (int k = 0; k < InFlight; ++k) load_packet(table, w.tensor, first + k * kStride, x[k]);
-#pragma unroll
-      for (int k = 0; k < InFlight; ++k) update_packet(table, w.tensor, first + k * kStride, x[k], body);
-      continue;
-    }
-#pragma unroll
-    for (int k = 0; k < InFlight; ++k)
-      if (first + k * kStride < w.end) one_packet(first + k * kStride);
   }
 }
 
@@ -554,9 +538,8 @@ __device__ bool whole_chunk_path(const TensorTable& table, const BlockWork& w, i
 }
 
 // The element loop of the kernels below, for fp32 (Bits 32), bf16 (Bits 16) or 8-bit (Bits 8) states: body(g, p, s)
-// returns whether it updated the element; with Writes the updates are stored, without, nothing is. InFlight: the
-// packets a thread loads at once in the fp32- and bf16-state loop (for_each_element).
-template <class T, int States, int Bits, bool Writes, int InFlight = 1, class Body>
+// returns whether it updated the element; with Writes the updates are stored, without, nothing is.
+template <class T, int States, int Bits, bool Writes, class Body>
 __device__ void for_each(const OptimOptions& o, const TensorTable& table, const BlockWork& w, int block_size,
                          const QuantizationMap* maps, Body body) {
   if constexpr (Bits == 8) {
@@ -568,7 +551,7 @@ __device__ void for_each(const OptimOptions& o, const TensorTable& table, const 
     }
     for_each_quantized_element<T, States, Writes>(o, table, w, block_size, maps, body);
   } else {
-    for_each_element<T, StateType<Bits>, States, InFlight>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
+    for_each_element<T, StateType<Bits>, States>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
   }
 }
 
@@ -594,13 +577,6 @@ constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 5;
 template <class Math>
 constexpr int QuantizedElementwiseBlocksPerSM = std::is_same_v<Math, FastMath> ? 4 : MinBlocksPerSM<8>;
 
-// With up to two bf16 states the element-wise kernel's threads load two packets before they update the first:
-// their 8-byte accesses keep half the bytes in flight that fp32 states' 16-byte ones do, and the stores in
-// between keep the compiler from hoisting the next packet's loads itself. With three states, and in LAMB/LARS's
-// update kernel, two packets spilled (20-68 bytes per thread).
-template <int Bits, int States>
-constexpr int InFlightPackets = Bits == 16 && States <= 2 ? 2 : 1;
-
 // Element-wise algorithms with fp32 or bf16 states (Bits 32 or 16): memory-bound, so few registers matter more
 // than branches (rules.h, elementwise_step switches per element).
 template <class T, int States, int Bits>
@@ -610,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
-    for_each<T, States, Bits, true, InFlightPackets<Bits, States>>(o, table, w, block_size, nullptr, [&](float g, float& p, float* s) {
+    for_each<T, States, Bits, true>(o, table, w, block_size, nullptr, [&](float g, float& p, float* s) {
       if (skipped(o, g)) return false;
       elementwise_step(o, k, g, p, s);
       return true;

@@ -129,14 +129,13 @@ def test_16bit_states_match_torch_fused_on_bf16_parameters(name, device):
         # rounded to bf16 after each step (3 steps, momentum 0.9, weight decay 0.1), where its single-tensor SGD
         # and ours are within 0.016 (one bf16 rounding): not a reference. CUDA's fused SGD is (the case below).
         pytest.skip("torch's fused CPU SGD disagrees with its own single-tensor SGD on bf16 parameters")
+    if device == "cuda" and name == "Adagrad":  # its step raises: fused=True is for the CPU only
+        pytest.skip("torch 2.11 has no fused Adagrad on CUDA")
     torch_cls, ours_cls, kw = TORCH_FUSED[name]
     gen = make_generator(1601)
     ours = make_params([(3000,)], torch.bfloat16, gen, device=device)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    try:
-        torch_opt = torch_cls(theirs, fused=True, **kw)
-    except RuntimeError as exc:  # torch 2.11 has no fused Adagrad on CUDA
-        pytest.skip(f"torch has no fused {name} on {device}: {exc}")
+    torch_opt = torch_cls(theirs, fused=True, **kw)
     our_opt = ours_cls(ours, state_bits=16, **kw)
     for step in range(10):
         g = random_grad((3000,), torch.bfloat16, gen).to(device)
