@@ -39,7 +39,7 @@ def _add_train(commands) -> None:
     train.add_argument("--moe", action="store_true", help="lm: a top-1 mixture-of-experts layer (half the experts start cold)")
     train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="graphsafe optimizer (default adamw)")
     train.add_argument("--lr", type=float, help="learning rate (default: per optimizer, see trainer/run.py)")
-    train.add_argument("--state-bits", type=int, choices=(32, 8), default=32, help="optimizer state bits (default 32)")
+    train.add_argument("--state-bits", type=int, choices=(32, 16, 8), default=32, help="optimizer state bits (default 32)")
     train.add_argument("--skip-zeros", action="store_true", help="leave elements with an exactly-zero gradient untouched")
     train.add_argument("--mode", choices=("auto", "full", "piecewise", "eager"), default="auto",
                        help="capture mode (default auto: full if the gate passes, else piecewise, else eager)")

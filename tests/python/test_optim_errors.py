@@ -4,6 +4,9 @@ modes (state_bits, differentiable), non-contiguous parameters; and a rejected st
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -293,7 +296,7 @@ def test_bad_input_in_a_group_the_at_once_path_would_take(spoil, error, match, s
 
 
 @pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
-@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("state_bits", [32, 16, 8])
 def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits):
     """The core writes states through raw addresses: a state tensor replaced by hand with another dtype, size
     or layout (or not a tensor) would be read and written out of bounds. The step raises a ValueError naming
@@ -307,7 +310,7 @@ def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits)
             p.grad = random_grad((40,), torch.float32, gen)
         opt.step()
     victim = opt.state[params[-1]]
-    codes = torch.uint8 if state_bits == 8 else torch.float32
+    codes = {8: torch.uint8, 16: torch.bfloat16, 32: torch.float32}[state_bits]
     bad = {
         # (a bf16 exp_avg under state_bits=32 is the other storage's form: converted, test_optim_16bit.py)
         "exp_avg": [torch.zeros(40, dtype=torch.float16), torch.zeros(39, dtype=codes),
@@ -331,7 +334,7 @@ def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits)
 
 
 @pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
-@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("state_bits", [32, 16, 8])
 def test_a_parameter_replaced_by_one_of_another_size_is_rejected(count, state_bits):
     """A parameter's .data replaced by a larger tensor (and a gradient to match) after its states were made:
     the old states are too small for it, and a step would write past their end (the at-once path, whose state
@@ -354,6 +357,82 @@ def test_a_parameter_replaced_by_one_of_another_size_is_rejected(count, state_bi
     for p, b, s in zip(params, before, states):
         assert_bitwise_equal(p, b, "parameter after a rejected step")
         assert_bitwise_equal(opt.state[p]["momentum_buffer"], s, "state after a rejected step")
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+@pytest.mark.parametrize("change", ["data", "resize"])
+def test_a_state_changed_in_place_to_another_size_is_rejected(count, change):
+    """A state tensor changed in place (`.data = ...`, a growing `resize_`, here via a smaller size first) is the
+    same object: the state check's cache also compares each tensor's address, which such a change moves, so the
+    step sees it and raises instead of writing 100000 elements into 10 (a heap corruption once, for a
+    one-parameter group)."""
+    gen = make_generator(51)
+    params = make_params([(100000,)] * count, torch.float32, gen)
+    opt = go.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((100000,), torch.float32, gen)
+        opt.step()
+    buffer = opt.state[params[-1]]["momentum_buffer"]
+    if change == "data":
+        buffer.data = torch.zeros(10)
+    else:  # shrinking keeps the memory; set_ to a small storage, then grown: new memory, still too small
+        buffer.set_(torch.zeros(4))
+        buffer.resize_(10)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="state 'momentum_buffer'"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert_bitwise_equal(p, b, "parameter after a rejected step")
+
+
+def test_a_block_size_edited_by_hand_in_group_and_state_is_rejected():
+    """block_size set by hand in the group and in every 8-bit state (so that no conversion is asked for): the
+    absmax tensors hold the old block count, too few for the new size; the step raises instead of writing
+    past them (the state check's cache compares the block size too)."""
+    gen = make_generator(52)
+    params = make_params([(5000,)] * 3, torch.float32, gen)
+    opt = go.AdamW(params, lr=0.1, state_bits=8, block_size=512)
+    for p in params:
+        p.grad = random_grad((5000,), torch.float32, gen)
+    opt.step()
+    opt.param_groups[0]["block_size"] = 256
+    for p in params:
+        opt.state[p]["block_size"] = 256
+    with pytest.raises(ValueError, match="absmax"):
+        opt.step()
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+@pytest.mark.parametrize("before,after", [(32, 16), (32, 8), (16, 32)])
+def test_converted_states_are_freed(count, before, after):
+    """After a storage change (state_bits set between steps), the old state tensors are not kept alive (the state
+    check's cache held them once, undoing the memory a smaller storage saves)."""
+    gen = make_generator(53)
+    params = make_params([(5000,)] * count, torch.float32, gen)
+    opt = go.AdamW(params, lr=0.1, state_bits=before, min_8bit_size=0)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((5000,), torch.float32, gen)
+        opt.step()
+    old = [weakref.ref(opt.state[p]["exp_avg"]) for p in params]
+    opt.param_groups[0]["state_bits"] = after
+    opt.step()
+    opt.step()
+    gc.collect()
+    assert all(ref() is None for ref in old), "old states still alive"
+
+
+def test_state_bits_given_as_a_float_steps_as_its_int():
+    gen = make_generator(54)
+    for bits in (32.0, 16.0):
+        params = make_params([(300,)] * 2, torch.float32, gen)
+        opt = go.AdamW(params, lr=0.1, state_bits=bits)
+        for p in params:
+            p.grad = random_grad((300,), torch.float32, gen)
+        opt.step()
+        opt.step()
+        assert float(opt.state[params[0]]["step"]) == 2.0
 
 
 @pytest.mark.parametrize("lr", [torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.1, dtype=torch.bfloat16),

@@ -377,12 +377,14 @@ def measure_host(ctx: BenchContext, case: OptimCase) -> list[dict]:
             records[method]["error"] = first_line(exc)
     try:
         for _ in range(HOST_RUNS):
-            for method, optimizer in optimizers.items():
-                us = host_us_per_call(optimizer.step, ctx.device, HOST_CALLS, runs=1)
+            for method, optimizer in list(optimizers.items()):
+                try:
+                    us = host_us_per_call(optimizer.step, ctx.device, HOST_CALLS, runs=1)
+                except Exception as exc:  # this method stops; the other goes on
+                    records[method]["error"] = first_line(exc)
+                    del optimizers[method]
+                    continue
                 best[method] = min(best.get(method, us), us)
-    except Exception as exc:
-        for method in optimizers:
-            records[method]["error"] = first_line(exc)
     finally:
         optimizers.clear()
         _release(ctx.device)

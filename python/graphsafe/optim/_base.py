@@ -1,5 +1,5 @@
 """The shared machinery of graphsafe's optimizers: device-resident lr and step, one core call per bucket
-of parameters (same device and dtype), fp32 states, state_dict round trips.
+of parameters (same device and dtype), fp32, bf16 or 8-bit states, state_dict round trips.
 
 Why lr and step are tensors: a step captured in a CUDA graph reads them from device memory on every
 replay, so torch.optim.lr_scheduler schedulers (which fill_ a tensor lr in place) keep working, and no
@@ -103,7 +103,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                     skip_zeros=1.0 if group["skip_zeros"] else 0.0)
 
     def _state_names(self, group: dict[str, Any]) -> list[str]:
-        """Names of the fp32 states the algorithm keeps per parameter, in the core's order."""
+        """Names of the states the algorithm keeps per parameter, in the core's order."""
         raise NotImplementedError
 
     def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
@@ -176,7 +176,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if (_holds_8bit(state, name, p, block_size, signed) if bits == 8
                     else _has_form(state.get(name), unquantized, tuple(p.shape), p.device)):
                 continue  # kept as it is (its raw bits, NaN payloads included)
-            value = _state_as_fp32(state, name, p, type(self).__name__)
+            where = f"{type(self).__name__}.load_state_dict" if loading else f"{type(self).__name__} step"
+            value = _state_as_fp32(state, name, p, where)
             if value is None:
                 if loading:
                     raise ValueError(
@@ -304,10 +305,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         else:
             bits = None  # all state_bits
         if len(set(dtypes)) == 1 and (bits is None or len(set(bits)) == 1):
-            buckets = {(dtypes[0], bits[0] if bits else state_bits): (params, grads, numels)}
+            buckets = {(dtypes[0], bits[0] if bits else int(state_bits)): (params, grads, numels)}
         else:  # one core call per (dtype, storage bits), in the order the kinds first appear
             buckets = {}
-            for p, g, n, kind in zip(params, grads, numels, zip(dtypes, bits or repeat(state_bits))):
+            for p, g, n, kind in zip(params, grads, numels, zip(dtypes, bits or repeat(int(state_bits)))):
                 bucket = buckets.setdefault(kind, ([], [], []))
                 bucket[0].append(p)
                 bucket[1].append(g)
@@ -334,8 +335,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 return None
             # key by key (states, absmax, steps), as the core takes them
             tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, bits)]
-            if bits != 8 and names and set(map(_dtype_of, tensors[0])) != {_UNQUANTIZED_STATE_DTYPES[bits]}:
-                return None  # fp32 states under state_bits=16, or the other way round: convert
+            if bits != 8 and set(map(_dtype_of, chain.from_iterable(tensors[:len(names)]))) - {_UNQUANTIZED_STATE_DTYPES[bits]}:
+                return None  # fp32 states under state_bits=16, or the other way round: convert (or the clear error)
         except KeyError:  # other state names with the same count (options changed): convert
             return None
         except AttributeError:  # a state replaced by hand with something else than a tensor: the clear error
@@ -349,31 +350,39 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         """One core call of either gathering path, for parameters of one kind (device, dtype, state bits)
         whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters): the
         state tensors checked (_check_states_once), then their addresses."""
-        self._check_states_once(group, kind, params, states, names, kind[2], tensors)
-        return _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)),
-                          [map(Tensor.data_ptr, key_tensors) for key_tensors in tensors], len(names), numels)
+        try:
+            key_ptrs = [list(map(Tensor.data_ptr, key_tensors)) for key_tensors in tensors]
+        except TypeError:  # a state that is not a tensor: the full check names it
+            key_ptrs = None
+        self._check_states_once(group, kind, params, states, names, tensors, key_ptrs)
+        return _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)), key_ptrs,
+                          len(names), numels)
 
     def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int],
-                           params: list[Tensor], states: list[dict[str, Any]], names: list[str], bits: int,
-                           tensors: list[list[Tensor]]) -> None:
-        """_check_state_tensors for every parameter of a core call, skipped while the group's parameters of this
-        kind (device, dtype, state bits) have the shapes they had at an earlier step and their state tensors
-        are the very objects checked then (an identity test per tensor instead of five checks; the shapes
-        because a parameter's .data can be replaced by one of another size, which its old states do not fit). A
-        state tensor changed in place by hand (`.data = ...`, `resize_`) is not seen: only replaced ones."""
+                           params: list[Tensor], states: list[dict[str, Any]], names: list[str],
+                           tensors: list[list[Tensor]], key_ptrs: list[list[int]] | None) -> None:
+        """_check_state_tensors for every parameter of a core call, skipped while nothing it depends on changed
+        since an earlier step checked the group's parameters of this kind (device, dtype, state bits): the
+        parameters' shapes (a .data can be replaced by one of another size, which the old states do not fit),
+        the block size, and per state tensor the very object and its address (a tensor changed in place,
+        `.data = ...` or a growing `resize_`, gets new memory while the old is still held; a shrinking resize_
+        keeps the memory it writes into). An identity test and an address comparison per tensor instead of
+        five checks; the address is the one the call passes anyway. Not seen: two in-place changes between
+        steps whose second lands at the first's freed address (docs/optim.md)."""
         checked = self.__dict__.setdefault("_checked_states", {})
         entry = checked.get(id(group))
         if entry is None or entry[0] is not group:
             entry = checked[id(group)] = (group, {})  # holds the group: its id cannot be reused meanwhile
-        shapes = list(map(_shape_of, params))
+        block_size = group["block_size"]
+        now = None if key_ptrs is None else (list(map(_shape_of, params)), block_size, key_ptrs)
         seen = entry[1].get(kind)
-        if (seen is not None and seen[0] == shapes and len(seen[1]) == len(tensors)
-                and all(len(now) == len(then) and all(map(is_, now, then)) for now, then in zip(tensors, seen[1]))):
+        if (now is not None and seen is not None and seen[0] == now and len(seen[1]) == len(tensors)
+                and all(len(a) == len(b) and all(map(is_, a, b)) for a, b in zip(tensors, seen[1]))):
             return
-        owner, block_size = type(self).__name__, group["block_size"]
+        owner = type(self).__name__
         for p, state in zip(params, states):
-            _check_state_tensors(owner, p, state, names, bits, block_size)
-        entry[1][kind] = (shapes, tensors)
+            _check_state_tensors(owner, p, state, names, kind[2], block_size)
+        entry[1][kind] = (now, tensors)
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
@@ -388,6 +397,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         # What _bits_of reads, read once per bucket.
         state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
+        converted = False
         for p, g in pairs:
             if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
                 self._reject_grad(p, g)
@@ -402,18 +412,22 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             state = all_states[p]
             if (len(state) != _state_entry_count(names, bits) or (bits == 8 and state.get("block_size") != block_size)
                     or not all(key in state for key in _state_keys(names, bits))
-                    or (bits != 8 and names and getattr(state[names[0]], "dtype", None) is _OTHER_UNQUANTIZED[bits])):
+                    or (bits != 8 and any(getattr(state[name], "dtype", None) is _OTHER_UNQUANTIZED[bits]
+                                          for name in names))):
                 state = self._state_of(group, p, names, bits)  # missing, or another form: convert
+                converted = True
             kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(bits, ([], [], [], []))
             kind_params.append(p)
             kind_grads.append(g)
             kind_states.append(state)
             kind_numels.append(numel)
+        if converted:  # the state-check cache would keep the replaced tensors alive: start it anew
+            self.__dict__.get("_checked_states", {}).pop(id(group), None)
         calls = {}
         for bits, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
             tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, bits)]
-            calls[bits] = self._kind_call(group, (device, dtype, bits), kind_params, kind_grads,
-                                                        kind_states, names, tensors, kind_numels)
+            calls[bits] = self._kind_call(group, (device, dtype, bits), kind_params, kind_grads, kind_states,
+                                          names, tensors, kind_numels)
         return self._issuer(group, device, dtype, options, calls, contiguous_copies)
 
     def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
@@ -490,9 +504,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         """Load a state_dict from any graphsafe optimizer of the same algorithm, on any device.
 
         Unlike torch.optim.Optimizer.load_state_dict, states take this optimizer's storage (state_bits,
-        block_size and min_8bit_size are kept from this optimizer, not the checkpoint): fp32 states are
-        quantised for parameters kept in 8 bits, 8-bit states dequantised for parameters kept in fp32, and a
-        torch.optim state_dict's half states are widened; states move to their parameter's device; lr moves
+        block_size and min_8bit_size are kept from this optimizer, not the checkpoint): fp32 and bf16 states are
+        quantised for parameters kept in 8 bits, 8-bit states dequantised for parameters kept in fp32 or bf16,
+        and a torch.optim state_dict's half states widened to fp32 (state_bits=32) or kept as, or rounded to,
+        bf16 (state_bits=16); states move to their parameter's device; lr moves
         with its group. A state of the wrong shape raises ValueError.
         """
         saved_groups = state_dict["param_groups"]
@@ -543,8 +558,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     def _conform_loaded_state(self) -> None:
         """The core writes states through raw addresses, so every loaded state is brought into the form
-        the kernels expect (see _state_of): fp32 or 8-bit as this optimizer keeps that parameter (a state of
-        the other kind is converted; torch's bf16/fp16 states are widened), contiguous, the parameter's
+        the kernels expect (see _state_of): fp32, bf16 or 8-bit as this optimizer keeps that parameter (a state
+        of another kind is converted; torch's bf16/fp16 states are widened to fp32 or kept in bf16), contiguous,
+        the parameter's
         shape, on its device; step a 0-d fp32 tensor there."""
         for group in self.param_groups:
             names = self._state_names(group)
@@ -568,7 +584,7 @@ def _storage_bits(state_bits: int, min_8bit_size: int, numel: int) -> int:
     min_8bit_size elements (fp32 below), bf16 for every parameter under 16, fp32 under 32."""
     if state_bits == 8:
         return 8 if numel >= min_8bit_size else 32
-    return state_bits
+    return int(state_bits)  # (32.0 is accepted as 32: the core takes an int)
 
 
 # The dtype of the states that are not quantised, per storage bits; and the other one, whose states a step
@@ -626,7 +642,7 @@ def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: li
                 f"replaced by hand must keep that form; load_state_dict converts any)")
 
 
-def _core_call(param_ptrs: list[int], grad_ptrs: list[int], key_ptrs: list[Iterable[int]], state_count: int,
+def _core_call(param_ptrs: list[int], grad_ptrs: list[int], key_ptrs: list[list[int]], state_count: int,
                numels: list[int]) -> tuple:
     """One core call's addresses and sizes, as _issuer passes them: key_ptrs holds per _state_keys entry the
     addresses over the tensors (states, then 8-bit absmax, then steps); the core takes the states and absmax
@@ -645,26 +661,26 @@ def _holds_8bit(state: dict[str, Any], name: str, p: Tensor, block_size: int, si
             and qmap.device == p.device and torch.equal(qmap.cpu(), ops.quantization_map(signed)))
 
 
-def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, owner: str) -> Tensor | None:
+def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, where: str) -> Tensor | None:
     """state[name] as an fp32 tensor of p's shape on p's device (8-bit codes dequantised with the saved map
     and block size), or None if absent."""
     value = state.get(name)
     if value is None:
         return None
     if not isinstance(value, Tensor):
-        raise ValueError(f"{owner}.load_state_dict: state '{name}' is not a tensor")
+        raise ValueError(f"{where}: state '{name}' is not a tensor")
     absmax, qmap = state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
     if value.dtype == torch.uint8:
         if not (isinstance(absmax, Tensor) and isinstance(qmap, Tensor)):
-            raise ValueError(f"{owner}: 8-bit state '{name}' has codes but not its '{name}_absmax' and '{name}_qmap'")
+            raise ValueError(f"{where}: 8-bit state '{name}' has codes but not its '{name}_absmax' and '{name}_qmap'")
         block_size = state.get("block_size")
         if not isinstance(block_size, int) or block_size <= 0 or qmap.numel() != 256:
-            raise ValueError(f"{owner}.load_state_dict: 8-bit state '{name}' needs its block_size and a 256-value map")
+            raise ValueError(f"{where}: 8-bit state '{name}' needs its block_size and a 256-value map")
         if value.numel() != p.numel() or absmax.numel() != (p.numel() + block_size - 1) // block_size:
-            raise ValueError(f"{owner}.load_state_dict: 8-bit state '{name}' does not fit its parameter of shape {tuple(p.shape)}")
+            raise ValueError(f"{where}: 8-bit state '{name}' does not fit its parameter of shape {tuple(p.shape)}")
         scales = absmax.detach().to(p.device, torch.float32).repeat_interleave(block_size)[: p.numel()]
         value = qmap.detach().to(p.device, torch.float32)[value.detach().to(p.device).reshape(-1).long()] * scales
         return value.reshape(p.shape).contiguous()
     if value.shape != p.shape:
-        raise ValueError(f"{owner}.load_state_dict: state '{name}' has shape {tuple(value.shape)}, its parameter {tuple(p.shape)}")
+        raise ValueError(f"{where}: state '{name}' has shape {tuple(value.shape)}, its parameter {tuple(p.shape)}")
     return value.detach().to(device=p.device, dtype=torch.float32).contiguous()
