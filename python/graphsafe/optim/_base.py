@@ -507,8 +507,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         block_size and min_8bit_size are kept from this optimizer, not the checkpoint): fp32 and bf16 states are
         quantised for parameters kept in 8 bits, 8-bit states dequantised for parameters kept in fp32 or bf16,
         and a torch.optim state_dict's half states widened to fp32 (state_bits=32) or kept as, or rounded to,
-        bf16 (state_bits=16); states move to their parameter's device; lr moves
-        with its group. A state of the wrong shape raises ValueError.
+        bf16 (state_bits=16); states move to their parameter's device; lr moves with its group. A state of the
+        wrong shape raises ValueError.
         """
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -560,8 +560,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         """The core writes states through raw addresses, so every loaded state is brought into the form
         the kernels expect (see _state_of): fp32, bf16 or 8-bit as this optimizer keeps that parameter (a state
         of another kind is converted; torch's bf16/fp16 states are widened to fp32 or kept in bf16), contiguous,
-        the parameter's
-        shape, on its device; step a 0-d fp32 tensor there."""
+        the parameter's shape, on its device; step a 0-d fp32 tensor there."""
         for group in self.param_groups:
             names = self._state_names(group)
             for p in group["params"]:
