@@ -161,30 +161,34 @@ def test_16bit_states_match_torch_fused_on_bf16_parameters(name, device):
 NAN_PAYLOAD = 0x7F81  # a signalling-NaN bf16 pattern that any arithmetic would turn into another NaN
 
 
+@pytest.mark.parametrize("count", [1, 3], ids=["alone", "at-once group"])
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
-def test_16bit_skipped_elements_keep_parameter_and_states_bit_identical(case):
+def test_16bit_skipped_elements_keep_parameter_and_states_bit_identical(case, count):
     gen = make_generator(1602)
-    params = make_params([(64, 40)], torch.bfloat16, gen)
+    params = make_params([(64, 40)] * count, torch.bfloat16, gen)
     opt = make_opt(case, params, state_bits=16, skip_zeros=True)
-    params[0].grad = random_grad((64, 40), torch.bfloat16, gen)
+    for p in params:
+        p.grad = random_grad((64, 40), torch.bfloat16, gen)
     opt.step()
-    states = unquantized_states(opt, params[0])
-    for value in states.values():
-        value.view(torch.int16)[5, 7] = NAN_PAYLOAD  # a skipped element's state: its raw bits must survive
+    for p in params:
+        for value in unquantized_states(opt, p).values():
+            value.view(torch.int16)[5, 7] = NAN_PAYLOAD  # a skipped element's state: its raw bits must survive
     g = random_grad((64, 40), torch.bfloat16, gen)
     g[5] = 0.0
     g[::9] = -0.0
     g[:, 3] = 0.0
     skipped = g == 0
-    before = params[0].detach().clone()
-    states_before = {k: v.clone() for k, v in states.items()}
-    params[0].grad = g
+    before = [p.detach().clone() for p in params]
+    states_before = [{k: v.clone() for k, v in unquantized_states(opt, p).items()} for p in params]
+    for p in params:
+        p.grad = g.clone()
     opt.step()
-    assert_bitwise_equal(params[0].detach()[skipped], before[skipped], f"{case} skipped params")
-    assert (params[0].detach()[~skipped] != before[~skipped]).any(), f"{case}: nothing was updated"
-    for key, value in unquantized_states(opt, params[0]).items():
-        assert_bitwise_equal(value[skipped], states_before[key][skipped], f"{case} skipped {key}")
-        assert int(value.view(torch.int16)[5, 7]) == NAN_PAYLOAD
+    for p, b, sb in zip(params, before, states_before):
+        assert_bitwise_equal(p.detach()[skipped], b[skipped], f"{case} skipped params")
+        assert (p.detach()[~skipped] != b[~skipped]).any(), f"{case}: nothing was updated"
+        for key, value in unquantized_states(opt, p).items():
+            assert_bitwise_equal(value[skipped], sb[key][skipped], f"{case} skipped {key}")
+            assert int(value.view(torch.int16)[5, 7]) == NAN_PAYLOAD
 
 
 @pytest.mark.parametrize("before,after", [(32, 16), (16, 32)])
@@ -301,7 +305,7 @@ def test_16bit_cuda_matches_cpu(case, dtype):
 
 @requires_cuda
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
-def test_16bit_captured_step_equals_eager_and_repeats(case):
+def test_16bit_captured_step_equals_eager(case):
     """The whole step captured in a CUDA graph and replayed 5 times == 5 eager steps on a copy, bitwise."""
     gen = make_generator(1607)
     params = make_params(SHAPES, torch.bfloat16, gen, device="cuda", offsets=OFFSETS)
