@@ -157,9 +157,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         changed (a state_dict of the other kind was loaded, or state_bits / block_size was changed).
 
         fp32 form (bits 32): 'step' and one fp32 tensor per name; bf16 form (16): the same in bf16. 8-bit form:
-        'step', 'block_size' and per name the
-        codes (uint8, p's shape), '<name>_absmax' (fp32, one per block) and '<name>_qmap' (the 256-value map
-        the codes index). A state an option turns on later (e.g. SGD momentum set after the first step)
+        'step', 'block_size' and per name the codes (uint8, p's shape), '<name>_absmax' (fp32, one per block)
+        and '<name>_qmap' (the 256-value map the codes index). A state an option turns on later (e.g. SGD momentum set after the first step)
         starts from its initial value (zeros; torch's SGD would start the buffer as a copy of the gradient,
         which differs only when dampening != 0). A loaded state (loading=True) that lacks one of its
         algorithm's states is an incomplete checkpoint: ValueError, instead of a silent restart from zeros."""
@@ -191,7 +190,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                                  f"{name}_qmap": ops.quantization_map(signed, p.device)}
             else:  # fp32, or rounded to nearest bf16
                 updates[name] = {name: value.to(unquantized)}
-        # Applied only once every state converted: a failure above leaves the state as it was.
+        # Applied only once every state converted: a failure above leaves the state as it was. The group's
+        # state-check cache is dropped with the tensors it holds (it would keep them alive).
+        if updates:
+            self.__dict__.get("_checked_states", {}).pop(id(group), None)
         for name, entries in updates.items():
             for key in (f"{name}_absmax", f"{name}_qmap"):
                 state.pop(key, None)
@@ -250,17 +252,26 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         for issue in pending:
             issue()
 
+    def _group_memo(self, cache: str, group: dict[str, Any]) -> dict[Any, Any]:
+        """What this optimizer remembers about a param group between steps in `cache` (an attribute: dropped by
+        __setstate__ where it names it). Keyed by the group's id; the entry holds the group itself, so that the
+        id cannot be reused by another group while it lives."""
+        entries = self.__dict__.setdefault(cache, {})
+        entry = entries.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = entries[id(group)] = (group, {})
+        return entry[1]
+
     def _bucket_options(self, group: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, float], list[str]]:
         """Checks a group's options for a step on parameters of `dtype`; returns the core options and the
         state names."""
         options = self._core_options(group)
         # Validated before anything changes (a rejected step changes nothing); once per group while its
-        # options stay the same. The entry holds the group itself, so its id cannot be reused meanwhile.
-        validated = self.__dict__.setdefault("_validated_options", {})
-        seen = validated.get(id(group))
-        if seen is None or seen[0] is not group or seen[1] != options:
+        # options stay the same.
+        memo = self._group_memo("_validated_options", group)
+        if memo.get("options") != options:
             _C.optim_validate(self.algorithm, options)
-            validated[id(group)] = (group, options)
+            memo["options"] = options
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
         if dtype not in _PARAM_DTYPES:  # a parameter's dtype changed after construction (p.data = ...)
             if dtype.is_complex:
@@ -369,20 +380,17 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         keeps the memory it writes into). An identity test and an address comparison per tensor instead of
         five checks; the address is the one the call passes anyway. Not seen: two in-place changes between
         steps whose second lands at the first's freed address (docs/optim.md)."""
-        checked = self.__dict__.setdefault("_checked_states", {})
-        entry = checked.get(id(group))
-        if entry is None or entry[0] is not group:
-            entry = checked[id(group)] = (group, {})  # holds the group: its id cannot be reused meanwhile
+        checked = self._group_memo("_checked_states", group)
         block_size = group["block_size"]
         now = None if key_ptrs is None else (list(map(_shape_of, params)), block_size, key_ptrs)
-        seen = entry[1].get(kind)
+        seen = checked.get(kind)
         if (now is not None and seen is not None and seen[0] == now and len(seen[1]) == len(tensors)
                 and all(len(a) == len(b) and all(map(is_, a, b)) for a, b in zip(tensors, seen[1]))):
             return
         owner = type(self).__name__
         for p, state in zip(params, states):
             _check_state_tensors(owner, p, state, names, kind[2], block_size)
-        entry[1][kind] = (now, tensors)
+        checked[kind] = (now, tensors)
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
@@ -397,7 +405,6 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         # What _bits_of reads, read once per bucket.
         state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
-        converted = False
         for p, g in pairs:
             if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
                 self._reject_grad(p, g)
@@ -410,19 +417,13 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             numel = p.numel()
             bits = _storage_bits(state_bits, min_8bit_size, numel)
             state = all_states[p]
-            if (len(state) != _state_entry_count(names, bits) or (bits == 8 and state.get("block_size") != block_size)
-                    or not all(key in state for key in _state_keys(names, bits))
-                    or (bits != 8 and any(getattr(state[name], "dtype", None) is _OTHER_UNQUANTIZED[bits]
-                                          for name in names))):
-                state = self._state_of(group, p, names, bits)  # missing, or another form: convert
-                converted = True
+            if not _in_step_form(state, names, bits, block_size):
+                state = self._state_of(group, p, names, bits)
             kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(bits, ([], [], [], []))
             kind_params.append(p)
             kind_grads.append(g)
             kind_states.append(state)
             kind_numels.append(numel)
-        if converted:  # the state-check cache would keep the replaced tensors alive: start it anew
-            self.__dict__.get("_checked_states", {}).pop(id(group), None)
         calls = {}
         for bits, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
             tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, bits)]
@@ -602,6 +603,18 @@ def _state_entry_count(names: list[str], bits: int) -> int:
     """How many entries a parameter's state holds in the form `bits` needs: step (+ block_size for 8 bits), and
     per name the state (+ its absmax and map for 8 bits)."""
     return 3 * len(names) + 2 if bits == 8 else len(names) + 1
+
+
+def _in_step_form(state: dict[str, Any], names: list[str], bits: int, block_size: int) -> bool:
+    """Whether a parameter's state holds the entries a step with this storage reads, or must be made or converted
+    first (_state_of): missing, another storage (8-bit entries or block size, or the other unquantised dtype:
+    state_bits changed between 32 and 16). Entries of the right names in any other form are the state check's
+    to reject (_check_state_tensors)."""
+    if len(state) != _state_entry_count(names, bits) or not all(key in state for key in _state_keys(names, bits)):
+        return False
+    if bits == 8:
+        return state.get("block_size") == block_size
+    return not any(getattr(state[name], "dtype", None) is _OTHER_UNQUANTIZED[bits] for name in names)
 
 
 def _state_forms(p: Tensor, names: list[str], bits: int, block_size: int) -> list[tuple[str, torch.dtype, tuple]]:
