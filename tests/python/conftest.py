@@ -298,6 +298,12 @@ def optim_cases() -> dict[str, tuple[type, dict]]:
 OPTIM_CASE_NAMES = tuple(optim_cases())
 
 
+def make_optimizer(case: str, params, **extra):
+    """The optimizer of optim_cases()[case] over params, with `extra` options added or overriding."""
+    cls, kw = optim_cases()[case]
+    return cls(params, **dict(kw, **extra))
+
+
 def make_params(shapes, dtype: torch.dtype, generator: torch.Generator, device="cpu", offsets=None, scale=0.5):
     """nn.Parameters of the given shapes with values ~ N(0, scale^2) rounded to `dtype` (drawn on the CPU, so
     every device gets the same values). offsets[i] > 0 makes parameter i a contiguous view that starts

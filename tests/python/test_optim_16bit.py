@@ -29,21 +29,15 @@ from conftest import (
     OPTIM_CASE_NAMES,
     assert_bitwise_equal,
     make_generator,
+    make_optimizer,
     make_params,
-    optim_cases,
     random_grad,
     requires_cuda,
     state_tensors,
 )
 
-CASES = optim_cases()
 SHAPES = [(1,), (3,), (37,), (16, 33), (4096 + 5,), (2, 4096)]
 OFFSETS = [0, 1, 1, 0, 2, 0]
-
-
-def make_opt(case, params, **extra):
-    cls, kw = CASES[case]
-    return cls(params, **dict(kw, **extra))
 
 
 def unquantized_states(opt, p):
@@ -65,8 +59,8 @@ def test_16bit_step_is_the_32bit_step_with_states_rounded_to_bf16(case, dtype):
     gen = make_generator(1600)
     params16 = make_params(SHAPES, dtype, gen, offsets=OFFSETS)
     params32 = [torch.nn.Parameter(p.detach().clone()) for p in params16]
-    opt16 = make_opt(case, params16, state_bits=16, skip_zeros=True)
-    opt32 = make_opt(case, params32, skip_zeros=True)
+    opt16 = make_optimizer(case, params16, state_bits=16, skip_zeros=True)
+    opt32 = make_optimizer(case, params32, skip_zeros=True)
     # A first step of zero gradients (all skipped) makes the states; the reference then starts from the 16-bit
     # ones widened (Adagrad's initial_accumulator_value 0.1 is not a bf16 value: rounded once, at creation).
     for p16, p32 in zip(params16, params32):
@@ -166,7 +160,7 @@ NAN_PAYLOAD = 0x7F81  # a signalling-NaN bf16 pattern that any arithmetic would 
 def test_16bit_skipped_elements_keep_parameter_and_states_bit_identical(case, count):
     gen = make_generator(1602)
     params = make_params([(64, 40)] * count, torch.bfloat16, gen)
-    opt = make_opt(case, params, state_bits=16, skip_zeros=True)
+    opt = make_optimizer(case, params, state_bits=16, skip_zeros=True)
     for p in params:
         p.grad = random_grad((64, 40), torch.bfloat16, gen)
     opt.step()
@@ -278,8 +272,8 @@ def test_16bit_cuda_matches_cpu(case, dtype):
     gen = make_generator(1606)
     params_cpu = make_params(SHAPES, dtype, gen, offsets=OFFSETS)
     params_cuda = make_params(SHAPES, dtype, make_generator(1606), device="cuda", offsets=OFFSETS)
-    opt_cpu = make_opt(case, params_cpu, state_bits=16, skip_zeros=True)
-    opt_cuda = make_opt(case, params_cuda, state_bits=16, skip_zeros=True)
+    opt_cpu = make_optimizer(case, params_cpu, state_bits=16, skip_zeros=True)
+    opt_cuda = make_optimizer(case, params_cuda, state_bits=16, skip_zeros=True)
     for step in range(10):
         for c, h, g in zip(params_cuda, params_cpu, grads_with_zeros(params_cpu, gen)):
             h.grad, c.grad = g, g.cuda()
@@ -313,8 +307,8 @@ def test_16bit_captured_step_equals_eager(case):
     grads = [g.cuda() for g in grads_with_zeros(params, gen)]
     for p, q, g in zip(params, copies, grads):
         p.grad, q.grad = g, g.clone()
-    graphed = make_opt(case, params, state_bits=16, skip_zeros=True)
-    eager = make_opt(case, copies, state_bits=16, skip_zeros=True)
+    graphed = make_optimizer(case, params, state_bits=16, skip_zeros=True)
+    eager = make_optimizer(case, copies, state_bits=16, skip_zeros=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -40,6 +40,7 @@ from conftest import (
     assert_rel_close,
     assert_within_ulps,
     make_generator,
+    make_optimizer,
     make_params,
     optim_cases,
     random_grad,
@@ -71,11 +72,6 @@ def stable_seed(*parts) -> int:
 # cause was an uninitialised state slot (s[1], LAMB's) read by a branch the compiler hoisted, which split the
 # warp on leftover register values; every state slot is now initialised (src/optim/cuda.cu). The tests below
 # cover that case (300- and 5000-element fp32 LARS tensors) like every other.
-
-
-def make_opt(case, params, **extra):
-    cls, kw = CASES[case]
-    return cls(params, **dict(kw, **extra))
 
 
 def attach_grads(params, offsets=None):
@@ -171,8 +167,8 @@ def test_cuda_matches_cpu(case, dtype, skip_zeros):
     params_cuda = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     grads_cpu, grads_cuda = attach_grads(params_cpu, OFFSETS), attach_grads(params_cuda, OFFSETS)
     assert params_cuda[1].data_ptr() % 16 != 0 and grads_cuda[1].data_ptr() % 16 != 0  # scalar path taken
-    opt_cpu = make_opt(case, params_cpu, skip_zeros=skip_zeros)
-    opt_cuda = make_opt(case, params_cuda, skip_zeros=skip_zeros)
+    opt_cpu = make_optimizer(case, params_cpu, skip_zeros=skip_zeros)
+    opt_cuda = make_optimizer(case, params_cuda, skip_zeros=skip_zeros)
     gen = make_generator(seed + 1)
     differing = total = 0
     largest = LargestMagnitude(params_cpu)
@@ -231,7 +227,7 @@ def test_8bit_cuda_matches_cpu(case, dtype, block_size):
     params_cuda = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     grads_cpu, grads_cuda = attach_grads(params_cpu, OFFSETS), attach_grads(params_cuda, OFFSETS)
     extra = dict(skip_zeros=True, state_bits=8, min_8bit_size=0, block_size=block_size)
-    opt_cpu, opt_cuda = make_opt(case, params_cpu, **extra), make_opt(case, params_cuda, **extra)
+    opt_cpu, opt_cuda = make_optimizer(case, params_cpu, **extra), make_optimizer(case, params_cuda, **extra)
     gen = make_generator(seed + 1)
     for step in range(10):
         values = draw_grads(params_cpu, dtype, gen, zero_fraction=0.2)
@@ -271,7 +267,7 @@ def test_8bit_exact_math_fallback_matches_cpu(case):
     params_cuda = make_params(SHAPES, torch.float32, make_generator(seed), device=CUDA, offsets=OFFSETS)
     grads_cpu, grads_cuda = attach_grads(params_cpu, OFFSETS), attach_grads(params_cuda, OFFSETS)
     extra = dict(skip_zeros=True, state_bits=8, min_8bit_size=0, block_size=256, eps=2e30)
-    opt_cpu, opt_cuda = make_opt(case, params_cpu, **extra), make_opt(case, params_cuda, **extra)
+    opt_cpu, opt_cuda = make_optimizer(case, params_cpu, **extra), make_optimizer(case, params_cuda, **extra)
     gen = make_generator(seed + 1)
     for _ in range(10):
         values = draw_grads(params_cpu, torch.float32, gen, zero_fraction=0.2)
@@ -336,8 +332,8 @@ def test_many_tensors_cuda_matches_cpu(case, dtype):
     params_cpu = make_params(shapes, dtype, make_generator(seed), offsets=offsets)
     params_cuda = make_params(shapes, dtype, make_generator(seed), device=CUDA, offsets=offsets)
     grads_cpu, grads_cuda = attach_grads(params_cpu), attach_grads(params_cuda)
-    opt_cpu = make_opt(case, params_cpu, skip_zeros=True)
-    opt_cuda = make_opt(case, params_cuda, skip_zeros=True)
+    opt_cpu = make_optimizer(case, params_cpu, skip_zeros=True)
+    opt_cuda = make_optimizer(case, params_cuda, skip_zeros=True)
     gen = make_generator(seed + 1)
     largest = LargestMagnitude(params_cpu)
     before = None
@@ -379,8 +375,8 @@ def test_captured_step_with_lr_scheduler_equals_eager(case, dtype, state_bits, b
     eager_params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     static_grads, eager_grads = attach_grads(params, OFFSETS), attach_grads(eager_params, OFFSETS)
     bits = dict(state_bits=state_bits, min_8bit_size=0, block_size=block_size) if state_bits == 8 else {}
-    opt = make_opt(case, params, skip_zeros=True, **bits)
-    eager = make_opt(case, eager_params, skip_zeros=True, **bits)
+    opt = make_optimizer(case, params, skip_zeros=True, **bits)
+    eager = make_optimizer(case, eager_params, skip_zeros=True, **bits)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     eager_sched = torch.optim.lr_scheduler.LambdaLR(eager, lr_factor)
     gen = make_generator(seed + 1)
@@ -433,7 +429,7 @@ def test_step_captured_before_any_eager_step_counts_its_steps(case):
     params = make_params(SHAPES, torch.float32, make_generator(seed), device=CUDA, offsets=OFFSETS)
     eager_params = make_params(SHAPES, torch.float32, make_generator(seed), device=CUDA, offsets=OFFSETS)
     static_grads, eager_grads = attach_grads(params, OFFSETS), attach_grads(eager_params, OFFSETS)
-    eager = make_opt(case, eager_params)
+    eager = make_optimizer(case, eager_params)
     gen = make_generator(seed + 1)
     for _ in range(2):
         copy_into(eager_grads, draw_grads(eager_params, torch.float32, gen))
@@ -441,7 +437,7 @@ def test_step_captured_before_any_eager_step_counts_its_steps(case):
     with torch.no_grad():
         for p, q in zip(params, eager_params):
             p.copy_(q)
-    opt = make_opt(case, params)
+    opt = make_optimizer(case, params)
     opt.load_state_dict(eager.state_dict())
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -497,7 +493,7 @@ def test_skip_zeros_bit_identity_on_cuda(case, dtype):
     seed = stable_seed("skip", case, str(dtype))
     params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
     grads = attach_grads(params, OFFSETS)
-    opt = make_opt(case, params, skip_zeros=True)
+    opt = make_optimizer(case, params, skip_zeros=True)
     gen = make_generator(seed + 1)
     initial = {"sum": CASES[case][1].get("initial_accumulator_value", 0.0)}
     for step in range(5):
@@ -524,7 +520,7 @@ def test_skip_zeros_bit_identity_on_cuda(case, dtype):
 def test_skip_zeros_does_not_skip_nan_on_cuda(case):
     params = make_params([(300,), (12, 10)], torch.float32, make_generator(8), device=CUDA)
     grads = attach_grads(params)
-    opt = make_opt(case, params, skip_zeros=True)
+    opt = make_optimizer(case, params, skip_zeros=True)
     gen = make_generator(9)
     values = draw_grads(params, torch.float32, gen, zero_fraction=0.3)
     nan_masks = []
@@ -549,7 +545,7 @@ def test_skip_zeros_without_zeros_is_bit_identical_to_off_on_cuda(case, dtype):
     for skip in (True, False):
         params = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
         grads = attach_grads(params, OFFSETS)
-        opt = make_opt(case, params, skip_zeros=skip)
+        opt = make_optimizer(case, params, skip_zeros=skip)
         gen = make_generator(seed + 1)
         for _ in range(4):
             copy_into(grads, draw_grads(params, dtype, gen))
@@ -570,7 +566,7 @@ def test_repeatable_on_cuda(case, dtype):
     for _ in range(2):
         params = make_params(shapes, dtype, make_generator(seed), device=CUDA, offsets=offsets)
         grads = attach_grads(params, offsets)
-        opt = make_opt(case, params, skip_zeros=True)
+        opt = make_optimizer(case, params, skip_zeros=True)
         gen = make_generator(seed + 1)
         for _ in range(4):
             copy_into(grads, draw_grads(params, dtype, gen, zero_fraction=0.1))
@@ -587,14 +583,14 @@ def test_state_dict_moves_between_devices(case, direction):
     seed = stable_seed("sd", case, direction)
     params = make_params([(37,), (4096 + 5,)], torch.bfloat16, make_generator(seed), device=src_dev)
     grads = attach_grads(params)
-    opt = make_opt(case, params)
+    opt = make_optimizer(case, params)
     gen = make_generator(seed + 1)
     for _ in range(3):
         copy_into(grads, draw_grads(params, torch.bfloat16, gen))
         opt.step()
     opt.param_groups[0]["lr"].fill_(0.0125)
     moved = [torch.nn.Parameter(p.detach().to(dst_dev, copy=True)) for p in params]
-    loaded = make_opt(case, moved)
+    loaded = make_optimizer(case, moved)
     loaded.load_state_dict(opt.state_dict())
     lr = loaded.param_groups[0]["lr"]
     assert lr.device.type == torch.device(dst_dev).type and float(lr) == float(opt.param_groups[0]["lr"])

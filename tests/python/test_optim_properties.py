@@ -30,6 +30,7 @@ from conftest import (
     clone_params,
     libgomp,
     make_generator,
+    make_optimizer,
     make_params,
     optim_cases,
     random_grad,
@@ -45,11 +46,6 @@ STATE_COUNTS = {
     "Adam": 3, "Adam-decoupled": 3, "AdamW": 3, "SGD": 1, "SGD-nesterov": 1, "RMSprop": 3, "Adagrad": 1,
     "Lion": 1, "LAMB": 2, "LARS": 1, "AdEMAMix": 3,
 }
-
-
-def make_opt(case, params, **extra):
-    cls, kw = CASES[case]
-    return cls(params, **dict(kw, **extra))
 
 
 def initial_state_value(case: str, name: str) -> float:
@@ -82,7 +78,7 @@ def snapshot(opt, params):
 
 
 def run_steps(case, params, grads_per_step, **extra):
-    opt = make_opt(case, params, **extra)
+    opt = make_optimizer(case, params, **extra)
     for grads in grads_per_step:
         for p, g in zip(params, grads):
             p.grad = g
@@ -109,7 +105,7 @@ def assert_same_run(opt_a, params_a, opt_b, params_b, what):
 def test_skip_zeros_keeps_zero_grad_elements_bit_identical(case, dtype):
     gen = make_generator(31)
     params = make_params(SHAPES, dtype, gen)
-    opt = make_opt(case, params, skip_zeros=True)
+    opt = make_optimizer(case, params, skip_zeros=True)
     for step in range(6):
         before = snapshot(opt, params)
         masks = []
@@ -141,7 +137,7 @@ def test_skip_zeros_does_not_skip_nan(case):
     torch), while the zero elements of the same tensor are still skipped."""
     gen = make_generator(32)
     params = make_params([(300,), (12, 10)], torch.float32, gen)
-    opt = make_opt(case, params, skip_zeros=True)
+    opt = make_optimizer(case, params, skip_zeros=True)
     for step in range(3):
         before = snapshot(opt, params)
         nan_masks, zero_masks = [], []
@@ -191,7 +187,7 @@ def test_skip_zeros_embedding_table_untouched_rows_stay_exact(case, dtype):
     rows, dim = 50, 24
     (table,) = make_params([(rows, dim)], dtype, gen)
     initial = table.detach().clone()
-    opt = make_opt(case, [table], skip_zeros=True)
+    opt = make_optimizer(case, [table], skip_zeros=True)
     never = torch.zeros(rows, dtype=torch.bool)
     never[:10] = True
     for step in range(10):
@@ -226,7 +222,7 @@ def test_skip_zeros_property(case, dtype, numel, zero_fraction, steps, seed):
     """Any size, any share of zeros (none, all): zero-gradient elements keep parameter and state bits."""
     gen = make_generator(seed)
     (p,) = make_params([(numel,)], dtype, gen)
-    opt = make_opt(case, [p], skip_zeros=True)
+    opt = make_optimizer(case, [p], skip_zeros=True)
     for _ in range(steps):
         (old_p, old_states), = snapshot(opt, [p])
         p.grad, mask = grad_with_zeros(p.shape, dtype, gen, fraction=zero_fraction)
@@ -314,7 +310,7 @@ def test_results_do_not_depend_on_thread_count(case):
 def test_state_dict_round_trip_into_fresh_optimizer(case, dtype):
     gen = make_generator(38)
     params = make_params(SHAPES, dtype, gen)
-    opt = make_opt(case, params, skip_zeros=True)
+    opt = make_optimizer(case, params, skip_zeros=True)
     for _ in range(3):
         for p in params:
             p.grad, _ = grad_with_zeros(p.shape, dtype, gen, fraction=0.1)
@@ -379,7 +375,7 @@ def test_state_dict_keeps_hyperparameters_of_each_group():
 def test_state_bytes(case, dtype):
     gen = make_generator(40)
     params = make_params(SHAPES, dtype, gen)
-    opt = make_opt(case, params)
+    opt = make_optimizer(case, params)
     assert go.state_bytes(opt) == 0
     for p in params:
         p.grad = random_grad(p.shape, dtype, gen)
@@ -406,7 +402,7 @@ def test_params_without_grads_are_skipped(case):
     gen = make_generator(41)
     with_grad, without = make_params([(30,), (20,)], torch.float32, gen)
     initial = without.detach().clone()
-    opt = make_opt(case, [with_grad, without])
+    opt = make_optimizer(case, [with_grad, without])
     for _ in range(3):
         with_grad.grad = random_grad(with_grad.shape, torch.float32, gen)
         opt.step()
@@ -612,7 +608,7 @@ def test_at_once_gathering_of_mixed_groups_and_what_it_leaves_to_the_per_paramet
             opt_alone = run_steps("AdamW", alone, [[g[i]] for g in grads], **extra)
             assert_same_run(opt, together[i : i + 1], opt_alone, alone, f"param {i}")
     params = make_params([(24, 17)] * 4, torch.float32, gen)
-    opt = make_opt("SGD", params)
+    opt = make_optimizer("SGD", params)
     for p in params:
         p.grad = random_grad((24, 17), torch.float32, gen)
     opt.step()
@@ -632,7 +628,7 @@ def test_at_once_gathering_of_mixed_groups_and_what_it_leaves_to_the_per_paramet
     assert all("max_exp_avg_sq" in adam.state[q] for q in adam_params)
     assert adam._prepare_group_at_once(adam.param_groups[0]) is not None
     small = make_params([(30,)], torch.float32, gen)  # below _AT_ONCE_MIN_PARAMS: the loop is cheaper
-    sgd = make_opt("SGD", small)
+    sgd = make_optimizer("SGD", small)
     for q in small:
         q.grad = random_grad((30,), torch.float32, gen)
     sgd.step()
