@@ -263,8 +263,8 @@ NB_MODULE(_C, m) {
       nb::arg("absmax"), nb::arg("steps"), nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"),
       nb::arg("increment_steps"), nb::arg("state_bits"), nb::arg("block_size"), nb::arg("finish_counter"),
       "states: the fp32 state addresses (bf16 with state_bits=16), or with state_bits=8 the codes' (uint8), state "
-      "by state: state j of "
-      "tensor t at j * len(params) + t; absmax the same for the 8-bit scales (empty for fp32 states). "
+      "by state: state j of tensor t at j * len(params) + t; absmax the same for the 8-bit scales (empty for fp32 "
+      "and bf16 states). "
       "finish_counter: CUDA, the address of a zeroed uint32 (OptimStepArgs::finish_counter), or 0.");
 
   m.def(

@@ -55,6 +55,8 @@ GRAPH_CHECK_REPLAYS = 2  # replays compared bitwise with the same number of eage
 # graphsafe in the compare group: its default fp32 states, and on half-precision rows also bf16 states
 # (state_bits=16), the storage torch keeps a half parameter's states in; the ≤ torch target compares that one.
 SAME_STORAGE_METHOD = "graphsafe-bf16"
+# graphsafe's methods and their state_bits (None: the case's own).
+GRAPHSAFE_METHODS = {"graphsafe": None, SAME_STORAGE_METHOD: 16}
 HOST_TOTAL = 4 * MIB_ELEMENTS
 HOST_RUNS, HOST_CALLS = 7, 200  # timing.host_us_per_call
 BYTES_FORMULA = (
@@ -167,10 +169,8 @@ def torch_impl(algorithm: str, dtype: torch.dtype, device: torch.device) -> tupl
 
 def new_optimizer(case: OptimCase, method: str, device: torch.device, seed: int) -> torch.optim.Optimizer:
     params = make_params(case, device, seed)
-    if method == SAME_STORAGE_METHOD:
-        return graphsafe_optimizer(case.algorithm, params, 16)
-    if method == "graphsafe":
-        return graphsafe_optimizer(case.algorithm, params, case.state_bits)
+    if method in GRAPHSAFE_METHODS:
+        return graphsafe_optimizer(case.algorithm, params, GRAPHSAFE_METHODS[method] or case.state_bits)
     return torch_optimizer(case.algorithm, params, torch_impl(case.algorithm, case.dtype, device)[0])
 
 
@@ -271,12 +271,16 @@ def _timing_fields(ctx: BenchContext, timing: Timing, host_ms: float, moved: int
     }
 
 
+def _impl(ctx: BenchContext, case: OptimCase, method: str) -> tuple[str, str]:
+    """The implementation a method runs, and why torch's is not its fused one ("" if it is)."""
+    if method in GRAPHSAFE_METHODS:
+        return "graphsafe", ""
+    return torch_impl(case.algorithm, case.dtype, ctx.device)
+
+
 def measure_method(ctx: BenchContext, case: OptimCase, method: str, torch_ms: float | None = None) -> dict:
     """Time case × method; a failure becomes the record's "error" so that the other methods still run."""
-    if method in ("graphsafe", SAME_STORAGE_METHOD):
-        impl, fallback_reason = "graphsafe", ""
-    else:
-        impl, fallback_reason = torch_impl(case.algorithm, case.dtype, ctx.device)
+    impl, fallback_reason = _impl(ctx, case, method)
     record = _base_record(ctx, case, method, impl)
     if fallback_reason:
         record["fused_unavailable"] = fallback_reason
@@ -368,8 +372,7 @@ def measure_host(ctx: BenchContext, case: OptimCase) -> list[dict]:
     methods = ("torch", "graphsafe")
     records, optimizers, best = {}, {}, {}
     for method in methods:
-        impl = "graphsafe" if method == "graphsafe" else torch_impl(case.algorithm, case.dtype, ctx.device)[0]
-        records[method] = _base_record(ctx, case, method, impl)
+        records[method] = _base_record(ctx, case, method, _impl(ctx, case, method)[0])
         try:
             optimizers[method] = new_optimizer(case, method, ctx.device, ctx.seed)
             optimizers[method].step()
@@ -477,7 +480,7 @@ def _relative_target(case: OptimCase, ours: dict, theirs: dict, ctx: BenchContex
 
 
 def _method_name(record: dict) -> str:
-    return "graphsafe" if record["method"] in ("graphsafe", SAME_STORAGE_METHOD) else f"torch {record['impl']}"
+    return "graphsafe" if record["method"] in GRAPHSAFE_METHODS else f"torch {record['impl']}"
 
 
 def _timing_cells(record: dict | None) -> list[str]:
