@@ -305,8 +305,15 @@ struct Requantizer {
 #pragma unroll
     for (int i = 0; i < N; ++i) x[i] = normalized(s[first + i][j], scale);
     Pack<uint8_t, N> c;
+    // One test for the block, outside the element loop: tested per value, the compiler made a branch of its
+    // own (and a convergence barrier) around every value's quantisation.
+    if (!(absmax == absmax)) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) c.v[i] = absmax == absmax ? quantize_number(map, x[i]) : uint8_t(zero_code(is_signed));
+      for (int i = 0; i < N; ++i) c.v[i] = uint8_t(zero_code(is_signed));
+      return c;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) c.v[i] = quantize_number(map, x[i]);
     return c;
   }
 };
