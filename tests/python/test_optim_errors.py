@@ -302,6 +302,40 @@ def test_bad_input_in_a_group_the_at_once_path_would_take(spoil, error, match, s
     assert_step_rejected(opt, params, error, match)
 
 
+@pytest.mark.parametrize("change", ["transposed", "another dtype", "another address"])
+def test_a_parameter_changed_in_place_after_at_once_steps_is_checked_again(change):
+    """The at-once path reads its parameters' device again only when a parameter's dtype, shape or address
+    changed (_params_checked_once); everything else it checks at every step. p.data = p.data.t() on a square
+    matrix keeps the address, shape and dtype: still caught as non-contiguous. A parameter given another dtype or
+    memory steps as a fresh optimizer of the same states would."""
+    gen = make_generator(54)
+    params = make_params([(6, 6), (6, 6), (10,)], torch.float32, gen)
+    opt = go.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad(tuple(p.shape), torch.float32, gen)
+        opt.step()
+    assert opt._prepare_group_at_once(opt.param_groups[0]) is not None  # the at-once path, its checks remembered
+    victim = params[1]
+    if change == "transposed":
+        victim.data = victim.data.t()
+        assert not victim.is_contiguous() and victim.data_ptr() == params[1].data_ptr()
+        assert_step_rejected(opt, params, ValueError, "contiguous")
+        return
+    if change == "another dtype":
+        victim.data = victim.data.to(torch.bfloat16)
+    else:
+        victim.data = victim.data.clone()
+    victim.grad = random_grad((6, 6), victim.dtype, gen)
+    reference = go.SGD([torch.nn.Parameter(victim.detach().clone())], lr=0.1, momentum=0.9)
+    reference.param_groups[0]["params"][0].grad = victim.grad.clone()
+    reference.load_state_dict({"state": {0: {k: v.clone() for k, v in opt.state[victim].items()}},
+                               "param_groups": [dict(reference.state_dict()["param_groups"][0])]})
+    opt.step()
+    reference.step()
+    assert_bitwise_equal(victim.detach(), reference.param_groups[0]["params"][0].detach(), change)
+
+
 @pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
 @pytest.mark.parametrize("state_bits", [32, 16, 8])
 def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits):

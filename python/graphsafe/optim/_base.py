@@ -145,7 +145,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._initialised = True
-        self.__dict__.pop("_checked_states", None)  # new groups and states (load_state_dict): checked anew
+        for cache in ("_checked_states", "_checked_params"):  # new groups and states (load_state_dict): checked anew
+            self.__dict__.pop(cache, None)
 
     # ---- the step ----
 
@@ -322,14 +323,17 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if not grads or set(map(type, grads)) != _PLAIN_TENSOR:
                 return None
         dtypes = list(map(_dtype_of, params))
-        devices = set(map(_device_of, params))
-        if (len(devices) != 1 or list(map(_dtype_of, grads)) != dtypes  # dtypes are singletons: compared by identity
-                or set(map(_device_of, grads)) != devices or set(map(_layout_of, grads)) != _STRIDED
-                or list(map(_shape_of, grads)) != list(map(_shape_of, params))
-                or not all(map(Tensor.is_contiguous, params)) or not all(map(Tensor.is_contiguous, grads))):
+        shapes = list(map(_shape_of, params))
+        param_ptrs = list(map(Tensor.data_ptr, params))
+        known = self._params_checked_once(group, params, dtypes, shapes, param_ptrs)
+        if known is None:
             return None
-        (device,) = devices
-        numels = list(map(Tensor.numel, params))
+        device, numels = known
+        if (list(map(_dtype_of, grads)) != dtypes  # dtypes are singletons: compared by identity
+                or set(map(_device_of, grads)) != {device} or set(map(_layout_of, grads)) != _STRIDED
+                or list(map(_shape_of, grads)) != shapes or not all(map(Tensor.is_contiguous, grads))
+                or not all(map(Tensor.is_contiguous, params))):  # p.data = p.data.t() keeps address and shape
+            return None
         state_bits = group["state_bits"]
         if state_bits == 8:  # 8 bits from min_8bit_size elements, fp32 below
             min_8bit_size = group["min_8bit_size"]
@@ -337,14 +341,13 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         else:
             bits = None  # all state_bits
         if len(set(dtypes)) == 1 and (bits is None or len(set(bits)) == 1):
-            buckets = {(dtypes[0], bits[0] if bits else int(state_bits)): (params, grads, numels)}
+            buckets = {(dtypes[0], bits[0] if bits else int(state_bits)): (params, grads, numels, param_ptrs, shapes)}
         else:  # one core call per (dtype, storage bits), in the order the kinds first appear
             buckets = {}
-            for p, g, n, kind in zip(params, grads, numels, zip(dtypes, bits or repeat(int(state_bits)))):
-                bucket = buckets.setdefault(kind, ([], [], []))
-                bucket[0].append(p)
-                bucket[1].append(g)
-                bucket[2].append(n)
+            for entry in zip(params, grads, numels, param_ptrs, shapes, zip(dtypes, bits or repeat(int(state_bits)))):
+                bucket = buckets.setdefault(entry[-1], ([], [], [], [], []))
+                for column, value in zip(bucket, entry):
+                    column.append(value)
         issues = []
         for (dtype, kind_bits), bucket in buckets.items():
             issue = self._prepare_kind_at_once(group, device, dtype, kind_bits, *bucket)
@@ -353,11 +356,34 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             issues.append(issue)
         return issues
 
+    def _params_checked_once(self, group: dict[str, Any], params: list[Tensor], dtypes: list[torch.dtype],
+                             shapes: list[torch.Size], param_ptrs: list[int]) -> tuple[torch.device, list[int]] | None:
+        """For _prepare_group_at_once: the device and element counts of the group's parameters with a gradient
+        when they are all on one device, None otherwise. Read again only when a parameter, its dtype, shape or
+        address changed since the step that last read them (p.data = ... replaces a parameter's tensor): a
+        device costs more to read per parameter (a new torch.device each time) than comparing the dtypes,
+        shapes and addresses, which the step reads anyway. (The gradients, new tensors at every step of a
+        training loop, are checked at every step.) A tensor on another device cannot take the address of one
+        that is alive (CUDA's unified addressing); not seen, as in _check_states_once: a tensor made on another
+        device at the address of one freed between two steps."""
+        memo = self._group_memo("_checked_params", group)
+        seen = memo.get("params")
+        if (seen is not None and seen[1] == param_ptrs and seen[2] == shapes and seen[3] == dtypes
+                and len(seen[0]) == len(params) and all(map(is_, params, seen[0]))):
+            return seen[4]
+        devices = set(map(_device_of, params))
+        if len(devices) != 1:
+            return None
+        known = (devices.pop(), list(map(Tensor.numel, params)))
+        memo["params"] = (list(params), param_ptrs, shapes, dtypes, known)
+        return known
+
     def _prepare_kind_at_once(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, bits: int,
-                              params: list[Tensor], grads: list[Tensor], numels: list[int]) -> Callable[[], None] | None:
+                              params: list[Tensor], grads: list[Tensor], numels: list[int], param_ptrs: list[int],
+                              shapes: list[torch.Size]) -> Callable[[], None] | None:
         """_prepare_group_at_once's core call for the parameters of one dtype whose states are stored in `bits`
         (32, 16 or 8), or None if a state is not in the form the call needs (missing, or another form to
-        convert)."""
+        convert). param_ptrs and shapes: the parameters' addresses and shapes, as read already."""
         options, names = self._bucket_options(group, dtype)  # raises as the general path would
         states = list(map(self.state.get, params, repeat(())))  # () for a parameter without state yet
         if set(map(len, states)) != {_state_entry_count(names, bits)}:
@@ -367,51 +393,61 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 return None
             # key by key (states, absmax, steps), as the core takes them
             tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, bits)]
-            if bits != 8 and set(map(_dtype_of, chain.from_iterable(tensors[:len(names)]))) - {_UNQUANTIZED_STATE_DTYPES[bits]}:
-                return None  # fp32 states under state_bits=16, or the other way round: convert (or the clear error)
         except KeyError:  # other state names with the same count (options changed): convert
             return None
-        except AttributeError:  # a state replaced by hand with something else than a tensor: the clear error
+        call = self._kind_call(group, (device, dtype, bits), params, grads, states, names, tensors, numels,
+                               param_ptrs, shapes)
+        if call is None:  # fp32 states under state_bits=16, or the other way round: convert
             return None
-        call = self._kind_call(group, (device, dtype, bits), params, grads, states, names, tensors, numels)
         return self._issuer(group, device, dtype, options, {bits: call}, [])
 
     def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int], params: list[Tensor],
                    grads: list[Tensor], states: list[dict[str, Any]], names: list[str], tensors: list[list[Tensor]],
-                   numels: list[int]) -> tuple:
+                   numels: list[int], param_ptrs: list[int] | None = None,
+                   shapes: list[torch.Size] | None = None) -> tuple | None:
         """One core call of either gathering path, for parameters of one kind (device, dtype, state bits)
         whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters): the
-        state tensors checked (_check_states_once), then their addresses."""
+        state tensors checked (_check_states_once), then their addresses; None if states are to be converted
+        first (_check_states_once). param_ptrs and shapes: the parameters' addresses and shapes where the
+        caller has read them already."""
         try:
             key_ptrs = [list(map(Tensor.data_ptr, key_tensors)) for key_tensors in tensors]
         except TypeError:  # a state that is not a tensor: the full check names it
             key_ptrs = None
-        self._check_states_once(group, kind, params, states, names, tensors, key_ptrs)
-        return _core_call(list(map(Tensor.data_ptr, params)), list(map(Tensor.data_ptr, grads)), key_ptrs,
-                          len(names), numels)
+        if not self._check_states_once(group, kind, params, states, names, tensors, key_ptrs,
+                                       shapes if shapes is not None else list(map(_shape_of, params))):
+            return None
+        return _core_call(param_ptrs if param_ptrs is not None else list(map(Tensor.data_ptr, params)),
+                          list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels)
 
     def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int],
                            params: list[Tensor], states: list[dict[str, Any]], names: list[str],
-                           tensors: list[list[Tensor]], key_ptrs: list[list[int]] | None) -> None:
-        """_check_state_tensors for every parameter of a core call, skipped while nothing it depends on changed
+                           tensors: list[list[Tensor]], key_ptrs: list[list[int]] | None,
+                           shapes: list[torch.Size]) -> bool:
+        """_check_state_tensors for every parameter of a core call (False, nothing raised, where the states are
+        of the other unquantised dtype, fp32 under state_bits=16 or the other way round: to be converted), skipped while nothing it depends on changed
         since an earlier step checked the group's parameters of this kind (device, dtype, state bits): the
         parameters' shapes (a .data can be replaced by one of another size, which the old states do not fit),
         the block size, and per state tensor the very object and its address (a tensor changed in place,
         `.data = ...` or a growing `resize_`, gets new memory while the old is still held; a shrinking resize_
         keeps the memory it writes into). An identity test and an address comparison per tensor instead of
-        five checks; the address is the one the call passes anyway. Not seen: two in-place changes between
+        five checks; the address is the one the call passes anyway (shapes: the parameters', as read already). Not seen: two in-place changes between
         steps whose second lands at the first's freed address (docs/optim.md)."""
         checked = self._group_memo("_checked_states", group)
         block_size = group["block_size"]
-        now = None if key_ptrs is None else (list(map(_shape_of, params)), block_size, key_ptrs)
+        now = None if key_ptrs is None else (shapes, block_size, key_ptrs)
         seen = checked.get(kind)
         if (now is not None and seen is not None and seen[0] == now and len(seen[1]) == len(tensors)
                 and all(len(a) == len(b) and all(map(is_, a, b)) for a, b in zip(tensors, seen[1]))):
-            return
+            return True
+        if kind[2] != 8 and any(getattr(t, "dtype", None) is _OTHER_UNQUANTIZED[kind[2]]
+                                for t in chain.from_iterable(tensors[:len(names)])):
+            return False
         owner = type(self).__name__
         for p, state in zip(params, states):
             _check_state_tensors(owner, p, state, names, kind[2], block_size)
         checked[kind] = (now, tensors)
+        return True
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
