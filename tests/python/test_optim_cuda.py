@@ -615,3 +615,35 @@ def test_state_dict_moves_between_devices(case, direction):
         # bf16 parameters: a rounding that differs in one step persists (see the module docstring)
         assert_within_ulps(q.detach().cpu(), p.detach().cpu(), 2, f"{case} {direction} param {i}",
                            scale=largest.values[i])
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+@pytest.mark.parametrize("moved", ["gradient", "parameter"])
+def test_a_gradient_or_parameter_moved_off_the_device_is_rejected(count, moved):
+    """A gradient left on the CPU while its parameter went (back) to CUDA, or a parameter moved to the CPU while
+    its states stay on CUDA (p.data = ..., as Module._apply does): the step raises its ValueError and changes
+    nothing, on both gathering paths (the at-once path compares CUDA device indices, Tensor.get_device, and
+    reads a parameter's device again when its address changed)."""
+    gen = make_generator(55)
+    params = make_params([(300,)] * count, torch.float32, gen, device=CUDA)
+    opt = go.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((300,), torch.float32, gen).to(CUDA)
+        opt.step()
+    victim = params[-1]
+    victim.data = victim.data.cpu()
+    if moved == "gradient":
+        victim.grad = random_grad((300,), torch.float32, gen)  # on the CPU, as its parameter is now
+        victim.data = victim.data.to(CUDA)
+        assert victim.is_cuda and not victim.grad.is_cuda
+    else:
+        victim.grad = random_grad((300,), torch.float32, gen)
+    before = [p.detach().cpu().clone() for p in params]
+    states = [{k: v.cpu().clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match="gradient on cpu|on cuda"):
+        opt.step()
+    for p, b, saved in zip(params, before, states):
+        assert_bitwise_equal(p.detach().cpu(), b, "parameter after a rejected step")
+        for key, value in saved.items():
+            assert_bitwise_equal(opt.state[p][key].cpu(), value, f"state {key} after a rejected step")
