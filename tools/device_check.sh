@@ -28,7 +28,7 @@ if [ -n "${TRAIN_ARGS:-}" ]; then
 fi
 if [ "${NCU:-0}" = 1 ]; then
   for dtype in float32 bfloat16; do
-    ncu --clock-control none --kernel-name regex:elementwise_kernel --launch-skip 2 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:quantized_elementwise_kernel --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
       --section InstructionStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
       python3 tools/profile_optim8.py $dtype 8 > "$OUT/ncu_$dtype.txt" 2>&1

@@ -1,5 +1,5 @@
 """One AdamW step on 64M parameters, three times: a target for ncu on the GPU machine, e.g.
-ncu --clock-control none --kernel-name regex:elementwise_kernel --launch-skip 2 --launch-count 1 \
+ncu --clock-control none --kernel-name regex:quantized_elementwise_kernel --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats python3 tools/profile_optim8.py [dtype] [bits]
 dtype: float32 (default), bfloat16 or float16; bits: 8 (default) or 32 (the state_bits option)."""
 import sys

@@ -1,7 +1,7 @@
 // CUDA backend of the optimizer step: the shared rules (rules.h) in multi-tensor kernels.
 //
-// Tensors go in launches of up to kMaxTensors; their pointers travel as a kernel argument (so a captured
-// graph keeps them, and no metadata is copied to the device). As many blocks as the GPU holds at once
+// Tensors go in launches of up to TensorTable::kCapacity; their pointers travel as a kernel argument (so a
+// captured graph keeps them, and no metadata is copied to the device). As many blocks as the GPU holds at once
 // take chunks of kChunkElements elements in turn, with 16-byte streaming accesses where alignment
 // allows. lr and each tensor's step are read from device memory inside the kernel; with increment_steps
 // and a finish counter the element-wise update's last block adds 1 to every step (finish_steps), otherwise
@@ -34,39 +34,61 @@ constexpr int kVec = 4;
 constexpr int kIterations = static_cast<int>(kChunkElements / (kThreads * kVec));
 static_assert(kIterations * kThreads * kVec == kChunkElements, "a block covers one chunk exactly");
 static_assert(kThreads == kNormThreads && kVec == kNormVector, "the norm order of layout.h is this kernel's");
-constexpr int kMaxTensors = 32;
+// Kernel arguments stay under the classic 4 KB limit (the driver copies them into every launch). The emulated
+// kernels (tests/cpp/emulation) are built with a smaller limit, so that their problems of 8 to 40 tensors go out
+// in several launches, as a real step's hundreds of tensors do.
+#ifndef GRAPHSAFE_OPTIM_ARGUMENT_BYTES
+#define GRAPHSAFE_OPTIM_ARGUMENT_BYTES 4000
+#endif
+constexpr int kArgumentBytes = GRAPHSAFE_OPTIM_ARGUMENT_BYTES;
 
+// One launch's tensors: per tensor the pointers its kernels read, with slots for the States states only (and
+// their 8-bit scales only with Bits 8), so that a launch takes as many tensors as fit in kArgumentBytes: 66 for
+// SGD with momentum or RMSprop, 58 for Adam(W), 47 for 8-bit Adam(W), where one table for all took 32. A step of
+// many small tensors is bound by the host, and every launch costs it a few microseconds.
+template <int States, int Bits>
 struct TensorTable {
+  static constexpr int kStateSlots = States > 0 ? States : 1;
+  static constexpr int kScaleSlots = Bits == 8 ? kStateSlots : 0;
+  static constexpr int kHeaderBytes = 16, kBytesPerTensor = 8 * (6 + kStateSlots + kScaleSlots) + 4;
+  static constexpr int kCapacity = (kArgumentBytes - kHeaderBytes - 8 - 8) / kBytesPerTensor;
   int count;
   // With a finish counter (OptimStepArgs::finish_counter) the steps are read as they were before this step
   // and 1 is added on reading (step_increment); the update's last block to finish writes step + 1 for all.
   float step_increment;
   uint32_t* finish_counter;
-  void* param[kMaxTensors];
-  const void* grad[kMaxTensors];
-  void* state[4][kMaxTensors];   // fp32 or bf16 states, or with 8-bit states their codes (uint8)
-  float* absmax[4][kMaxTensors];  // 8-bit states: one scale per quantisation block
-  float* step[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  int64_t first_block[kMaxTensors + 1];  // blocks of this launch, one per chunk
-  int64_t first_chunk[kMaxTensors];      // chunk index across the whole step (layer-wise partials)
-  int factor_index[kMaxTensors];         // tensor index across the whole step (layer-wise factors)
+  void* param[kCapacity];
+  const void* grad[kCapacity];
+  void* state[kStateSlots][kCapacity];  // fp32 or bf16 states, or with 8-bit states their codes (uint8)
+  // 8-bit states: one scale per quantisation block (one unused slot otherwise)
+  float* absmax[kScaleSlots > 0 ? kScaleSlots : 1][kScaleSlots > 0 ? kCapacity : 1];
+  float* step[kCapacity];
+  int64_t numel[kCapacity];
+  int64_t first_block[kCapacity + 1];  // blocks of this launch, one per chunk
+  int64_t first_chunk[kCapacity];      // chunk index across the whole step (layer-wise partials)
+  int factor_index[kCapacity];         // tensor index across the whole step (layer-wise factors)
 };
-static_assert(sizeof(TensorTable) < 4000, "kernel arguments stay under 4 KB");
+static_assert(sizeof(TensorTable<0, 32>) <= kArgumentBytes && sizeof(TensorTable<1, 32>) <= kArgumentBytes &&
+                  sizeof(TensorTable<3, 16>) <= kArgumentBytes && sizeof(TensorTable<3, 8>) <= kArgumentBytes,
+              "kernel arguments stay under 4 KB");
+static_assert(kArgumentBytes != 4000 || (TensorTable<1, 32>::kCapacity == 66 && TensorTable<2, 32>::kCapacity == 58 &&
+                                          TensorTable<2, 8>::kCapacity == 47),
+              "the capacities the comment above names");
 
 // The states' storage type for Bits 32 and 16 (8-bit states are codes, read through their maps).
 template <int Bits>
 using StateType = std::conditional_t<Bits == 16, bf16_t, float>;
 
-template <class S>
-__device__ S* unquantized_state(const TensorTable& table, int j, int t) { return static_cast<S*>(table.state[j][t]); }
+template <class S, class Table>
+__device__ S* unquantized_state(const Table& table, int j, int t) { return static_cast<S*>(table.state[j][t]); }
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-__device__ int tensor_of_block(const TensorTable& table, int64_t block) {
+template <class Table>
+__device__ int tensor_of_block(const Table& table, int64_t block) {
   int t = 0;
   while (t + 1 < table.count && table.first_block[t + 1] <= block) ++t;
   return t;
@@ -80,7 +102,8 @@ struct BlockWork {
   int64_t begin, end;
 };
 
-__device__ BlockWork block_work(const TensorTable& table, int64_t block) {
+template <class Table>
+__device__ BlockWork block_work(const Table& table, int64_t block) {
   const int t = tensor_of_block(table, block);
   const int64_t chunk = block - table.first_block[t];
   const int64_t begin = chunk * kChunkElements;
@@ -88,11 +111,13 @@ __device__ BlockWork block_work(const TensorTable& table, int64_t block) {
 }
 
 // Tensor t's step number for this step's coefficients.
-__device__ float step_number(const TensorTable& table, int t) { return *table.step[t] + table.step_increment; }
+template <class Table>
+__device__ float step_number(const Table& table, int t) { return *table.step[t] + table.step_increment; }
 
 // Blocks loop over chunks (the grid is capped at what the GPU holds at once), so the coefficients, which
 // take double-precision powers, are formed once per tensor per block: by one thread, into shared memory.
-__device__ void share_coefficients(const OptimOptions& o, const float* lr, const TensorTable& table, int t,
+template <class Table>
+__device__ void share_coefficients(const OptimOptions& o, const float* lr, const Table& table, int t,
                                    int& current, Coefficients& shared) {
   if (t == current) return;
   __syncthreads();  // everyone is done with the previous tensor's coefficients
@@ -106,7 +131,8 @@ __device__ void share_coefficients(const OptimOptions& o, const float* lr, const
 // the block that finishes last, when every other block has read its steps (each block's thread 0 reads them,
 // share_coefficients, before this), adds 1 to every step of the table and sets the counter back to 0. The
 // fences order the other blocks' reads before the count, and the count before the writes.
-__device__ void finish_steps(const TensorTable& table) {
+template <class Table>
+__device__ void finish_steps(const Table& table) {
   if (table.finish_counter == nullptr) return;
   __shared__ bool last;
   __syncthreads();
@@ -154,8 +180,8 @@ __device__ void store_streaming(V* p, const V& v) {
   __stcs(reinterpret_cast<Raw*>(p), raw);
 }
 
-template <class T, class S, int States>
-__device__ void load_packet(const TensorTable& table, int tensor, int64_t base, Packet<T, S, States>& x) {
+template <class T, class S, int States, class Table>
+__device__ void load_packet(const Table& table, int tensor, int64_t base, Packet<T, S, States>& x) {
   x.g = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.grad[tensor]) + base));
   x.p = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.param[tensor]) + base));
 #pragma unroll
@@ -164,8 +190,8 @@ __device__ void load_packet(const TensorTable& table, int tensor, int64_t base, 
 }
 
 // Runs body on the packet's elements and writes back what changed (skipped elements are not written).
-template <class T, class S, int States, class Body>
-__device__ void update_packet(const TensorTable& table, int tensor, int64_t base, Packet<T, S, States>& x, Body& body) {
+template <class T, class S, int States, class Body, class Table>
+__device__ void update_packet(const Table& table, int tensor, int64_t base, Packet<T, S, States>& x, Body& body) {
   bool changed = false;
 #pragma unroll
   for (int e = 0; e < kVec; ++e) {
@@ -190,8 +216,8 @@ __device__ void update_packet(const TensorTable& table, int tensor, int64_t base
 // Calls body(g, p, s) for each element a thread owns; body returns whether it changed p and s. Aligned
 // tensors go kVec elements at a time, their last partial packet and unaligned tensors one at a time. S: the
 // states' storage type (fp32, or bf16 for 16-bit states).
-template <class T, class S, int States, class Body>
-__device__ void for_each_element(const TensorTable& table, const BlockWork& w, Body body) {
+template <class T, class S, int States, class Body, class Table>
+__device__ void for_each_element(const Table& table, const BlockWork& w, Body body) {
   T* param = static_cast<T*>(table.param[w.tensor]);
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
   bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
@@ -358,8 +384,8 @@ __device__ bool pack_aligned(const T* p) {
 // absmax needs shuffles only; the measuring pass (Writes false, LAMB/LARS pass 1) takes V = 4, layout.h's
 // norm order. Every thread runs every pass (group reductions wider than a warp need them all); elements
 // past the tensor's end take no part.
-template <class T, int States, bool Writes, class Body>
-__device__ void for_each_quantized_element(const OptimOptions& o, const TensorTable& table, const BlockWork& w,
+template <class T, int States, bool Writes, class Body, class Table>
+__device__ void for_each_quantized_element(const OptimOptions& o, const Table& table, const BlockWork& w,
                                            int block_size, const QuantizationMap* maps, Body body) {
   constexpr int V = Writes ? 8 : kNormVector;
   __shared__ float exchange[States + 1][kThreads / 32];
@@ -458,8 +484,8 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const TensorTa
 // - a block's absmax and "any element updated" are one warp reduction each (group_max: REDUX), larger blocks
 //   combining their warps through shared memory;
 // - no per-element bounds tests (the chunk is whole).
-template <class T, int States, class Body>
-__device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o, const TensorTable& table,
+template <class T, int States, class Body, class Table>
+__device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o, const Table& table,
                                                            const BlockWork& w, int block_size,
                                                            const QuantizationMap* maps, Body body) {
   constexpr int kPiece = 16 / int(sizeof(T)), kPieces = 8 / kPiece, kPieceStride = 32 * kPiece;
@@ -535,8 +561,8 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
 }
 
 // Whether a writing 8-bit pass over the chunk can take for_each_quantized_element_of_whole_chunk.
-template <class T, int States>
-__device__ bool whole_chunk_path(const TensorTable& table, const BlockWork& w, int block_size) {
+template <class T, int States, class Table>
+__device__ bool whole_chunk_path(const Table& table, const BlockWork& w, int block_size) {
   if (w.end - w.begin != kChunkElements || block_size % 256 != 0) return false;
   bool ok = aligned(table.param[w.tensor], 16) && aligned(table.grad[w.tensor], 16);
 #pragma unroll
@@ -546,8 +572,8 @@ __device__ bool whole_chunk_path(const TensorTable& table, const BlockWork& w, i
 
 // The element loop of the kernels below, for fp32 (Bits 32), bf16 (Bits 16) or 8-bit (Bits 8) states: body(g, p, s)
 // returns whether it updated the element; with Writes the updates are stored, without, nothing is.
-template <class T, int States, int Bits, bool Writes, class Body>
-__device__ void for_each(const OptimOptions& o, const TensorTable& table, const BlockWork& w, int block_size,
+template <class T, int States, int Bits, bool Writes, class Body, class Table>
+__device__ void for_each(const OptimOptions& o, const Table& table, const BlockWork& w, int block_size,
                          const QuantizationMap* maps, Body body) {
   if constexpr (Bits == 8) {
     if constexpr (Writes) {
@@ -588,7 +614,7 @@ constexpr int QuantizedElementwiseBlocksPerSM = std::is_same_v<Math, FastMath> ?
 // than branches (rules.h, elementwise_step switches per element).
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
-    elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks, int block_size) {
+    elementwise_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table, int64_t total_blocks, int block_size) {
   __shared__ Coefficients k;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
@@ -608,7 +634,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
 // FastMath's square roots and quotients (rules.h).
 template <class T, int States, OptimAlgorithm A, class Math>
 __global__ void __launch_bounds__(kThreads, QuantizedElementwiseBlocksPerSM<Math>)
-    quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable table, int64_t total_blocks,
+    quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable<States, 8> table, int64_t total_blocks,
                                  int block_size) {
   __shared__ Coefficients k;
   const QuantizationMap* maps = load_maps_to_shared();
@@ -646,7 +672,7 @@ __device__ SquaredNorms block_sum(SquaredNorms mine, float (&partial)[2][kThread
 // Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads,
 // layout.h's order); the tensors are not written (rules.h, layerwise_apply, says why).
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const float* lr, TensorTable table,
+__global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table,
                                                           int64_t total_blocks, int block_size, float* chunk_norms) {
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
@@ -676,7 +702,8 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
 // Layer-wise pass 1b: one block per tensor combines its chunk norms in a fixed order (thread i adds
 // chunks i, i + kThreads, ... in turn, then the same tree as pass 1) and stores the tensor's factor.
 // (One thread adding a 64M-element tensor's 16384 chunks in sequence took longer than the update.)
-__global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const float* lr, TensorTable table,
+template <class Table>
+__global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const float* lr, Table table,
                                                           const float* chunk_norms, float* factors) {
   __shared__ float partial[2][kThreads];
   const int t = blockIdx.x;
@@ -692,7 +719,7 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const 
 
 // Layer-wise pass 2: LAMB forms and stores its new moments and updates; LARS updates its momentum.
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(OptimOptions o, const float* lr, TensorTable table,
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table,
                                                         int64_t total_blocks, int block_size, const float* factors) {
   __shared__ Coefficients k;
   const QuantizationMap* maps = nullptr;
@@ -766,11 +793,12 @@ bool update_counts_steps(const OptimStepArgs& a) {
 }
 
 template <class T, int States, int Bits>
-void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t blocks, float* workspace,
+void launch_table(const OptimStepArgs& a, const TensorTable<States, Bits>& table, int64_t blocks, float* workspace,
                   std::size_t factors_offset, cudaStream_t stream) {
   if (blocks == 0) return;
   constexpr auto measure = &measure_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
   constexpr auto apply = &apply_kernel<T, States, Bits>;
+  constexpr auto factor = &factor_kernel<TensorTable<States, Bits>>;
   const OptimOptions& o = a.options;
   const int b = a.block_size;
   if (!is_layerwise(o.algorithm)) {
@@ -794,30 +822,30 @@ void launch_table(const OptimStepArgs& a, const TensorTable& table, int64_t bloc
   }
   GS_LAUNCH(measure, grid_for(measure, blocks), kThreads, stream, o, a.lr, table, blocks, b, workspace);
   GS_CUDA_CHECK_LAUNCH();
-  GS_LAUNCH(factor_kernel, table.count, kThreads, stream, o, a.lr, table, workspace, workspace + factors_offset);
+  GS_LAUNCH(factor, table.count, kThreads, stream, o, a.lr, table, workspace, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
   GS_LAUNCH(apply, grid_for(apply, blocks), kThreads, stream, o, a.lr, table, blocks, b, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
 }
 
-template <class T, int States>
+// The step's tensors in launches of TensorTable<States, Bits>::kCapacity.
+template <class T, int States, int Bits>
 void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
          std::size_t factors_offset, cudaStream_t stream) {
+  using Table = TensorTable<States, Bits>;
   const auto new_table = [&] {
-    TensorTable table{};
+    Table table{};
     if (update_counts_steps(a)) {
       table.step_increment = 1.0f;
       table.finish_counter = a.finish_counter;
     }
     return table;
   };
-  TensorTable table = new_table();
+  Table table = new_table();
   int64_t blocks = 0, chunk_base = 0;
   auto flush = [&]() {
     table.first_block[table.count] = blocks;
-    if (a.state_bits == 8) launch_table<T, States, 8>(a, table, blocks, workspace, factors_offset, stream);
-    else if (a.state_bits == 16) launch_table<T, States, 16>(a, table, blocks, workspace, factors_offset, stream);
-    else launch_table<T, States, 32>(a, table, blocks, workspace, factors_offset, stream);
+    launch_table<T, States, Bits>(a, table, blocks, workspace, factors_offset, stream);
     table = new_table();
     blocks = 0;
   };
@@ -827,8 +855,8 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
     const int i = table.count++;
     table.param[i] = x.param;
     table.grad[i] = x.grad;
-    for (int j = 0; j < 4; ++j) {
-      if (a.state_bits == 8) {
+    for (int j = 0; j < States; ++j) {
+      if constexpr (Bits == 8) {
         table.state[j][i] = x.codes[j];
         table.absmax[j][i] = x.absmax[j];
       } else {
@@ -842,7 +870,7 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
     table.factor_index[i] = t;
     blocks += chunk_count(x.numel);
     chunk_base += chunk_count(x.numel);
-    if (table.count == kMaxTensors) flush();
+    if (table.count == Table::kCapacity) flush();
   }
   if (table.count > 0) flush();
 }
@@ -850,11 +878,17 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
 template <class T>
 void run_typed(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* ws, std::size_t factors,
                cudaStream_t stream) {
+  const auto with_bits = [&](auto states) {
+    constexpr int States = decltype(states)::value;
+    if (a.state_bits == 8) run<T, States, 8>(a, tensors, count, ws, factors, stream);
+    else if (a.state_bits == 16) run<T, States, 16>(a, tensors, count, ws, factors, stream);
+    else run<T, States, 32>(a, tensors, count, ws, factors, stream);
+  };
   switch (optim_state_count(a.options)) {
-    case 0: run<T, 0>(a, tensors, count, ws, factors, stream); break;
-    case 1: run<T, 1>(a, tensors, count, ws, factors, stream); break;
-    case 2: run<T, 2>(a, tensors, count, ws, factors, stream); break;
-    case 3: run<T, 3>(a, tensors, count, ws, factors, stream); break;
+    case 0: with_bits(std::integral_constant<int, 0>{}); break;
+    case 1: with_bits(std::integral_constant<int, 1>{}); break;
+    case 2: with_bits(std::integral_constant<int, 2>{}); break;
+    case 3: with_bits(std::integral_constant<int, 3>{}); break;
     default: throw std::logic_error("unexpected optimizer state count");
   }
 }
