@@ -618,12 +618,10 @@ def test_state_dict_moves_between_devices(case, direction):
 
 
 @pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
-@pytest.mark.parametrize("moved", ["gradient", "parameter"])
-def test_a_gradient_or_parameter_moved_off_the_device_is_rejected(count, moved):
-    """A gradient left on the CPU while its parameter went (back) to CUDA, or a parameter moved to the CPU while
-    its states stay on CUDA (p.data = ..., as Module._apply does): the step raises its ValueError and changes
-    nothing, on both gathering paths (the at-once path compares CUDA device indices, Tensor.get_device, and
-    reads a parameter's device again when its address changed)."""
+def test_a_gradient_left_on_the_cpu_is_rejected(count):
+    """A gradient left on the CPU while its parameter went back to CUDA (p.data = ..., as Module._apply does):
+    the step raises its ValueError and changes nothing, on both gathering paths (the at-once path compares CUDA
+    device indices, Tensor.get_device)."""
     gen = make_generator(55)
     params = make_params([(300,)] * count, torch.float32, gen, device=CUDA)
     opt = go.SGD(params, lr=0.1, momentum=0.9)
@@ -633,17 +631,44 @@ def test_a_gradient_or_parameter_moved_off_the_device_is_rejected(count, moved):
         opt.step()
     victim = params[-1]
     victim.data = victim.data.cpu()
-    if moved == "gradient":
-        victim.grad = random_grad((300,), torch.float32, gen)  # on the CPU, as its parameter is now
-        victim.data = victim.data.to(CUDA)
-        assert victim.is_cuda and not victim.grad.is_cuda
-    else:
-        victim.grad = random_grad((300,), torch.float32, gen)
+    victim.grad = random_grad((300,), torch.float32, gen)  # on the CPU, as its parameter is now
+    victim.data = victim.data.to(CUDA)
+    assert victim.is_cuda and not victim.grad.is_cuda
     before = [p.detach().cpu().clone() for p in params]
     states = [{k: v.cpu().clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match="gradient on cpu|on cuda"):
+    with pytest.raises(ValueError, match="gradient on cpu"):
         opt.step()
     for p, b, saved in zip(params, before, states):
         assert_bitwise_equal(p.detach().cpu(), b, "parameter after a rejected step")
         for key, value in saved.items():
             assert_bitwise_equal(opt.state[p][key].cpu(), value, f"state {key} after a rejected step")
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+def test_a_group_moved_to_the_cpu_by_hand_steps_on_the_cpu(count):
+    """Parameters, gradients and states all moved to the CPU by hand between two steps (p.data = ..., the
+    state entries replaced): the step runs on the CPU, as a CPU optimizer with those states would. The at-once
+    path reads a parameter's device again when its address changed: a device remembered from the CUDA steps
+    would hand CPU addresses to a CUDA kernel."""
+    gen = make_generator(58)
+    params = make_params([(300,)] * count, torch.float32, gen, device=CUDA)
+    opt = go.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((300,), torch.float32, gen).to(CUDA)
+        opt.step()
+    grads = [random_grad((300,), torch.float32, gen) for _ in params]
+    for p, g in zip(params, grads):
+        p.data = p.data.cpu()
+        p.grad = g
+        opt.state[p] = {k: v.cpu() for k, v in opt.state[p].items()}
+    reference = go.SGD([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9)
+    for q, p, g in zip(reference.param_groups[0]["params"], params, grads):
+        q.grad = g.clone()
+        reference.state[q] = {k: v.clone() for k, v in opt.state[p].items()}
+    opt.step()
+    reference.step()
+    for q, p in zip(reference.param_groups[0]["params"], params):
+        assert not p.is_cuda
+        assert_bitwise_equal(p.detach(), q.detach(), "parameter stepped on the CPU")
+        assert_bitwise_equal(opt.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"], "momentum")

@@ -336,6 +336,51 @@ def test_a_parameter_changed_in_place_after_at_once_steps_is_checked_again(chang
     assert_bitwise_equal(victim.detach(), reference.param_groups[0]["params"][0].detach(), change)
 
 
+def test_a_parameter_replaced_by_a_smaller_one_with_fresh_states_steps_as_alone():
+    """p.data replaced by a smaller tensor and its state dropped (so that the next step makes states of the new
+    size): the at-once path must pass the new element count, not the one it read before (a cache keyed by the
+    parameter object alone passed 1M elements for 1000: out of bounds)."""
+    gen = make_generator(56)
+    params = make_params([(1 << 20,), (300,), (300,)], torch.float32, gen)
+    opt = go.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = random_grad(tuple(p.shape), torch.float32, gen)
+    opt.step()
+    opt.step()  # the at-once path, its parameters' checks remembered
+    victim = params[0]
+    victim.data = random_grad((1000,), torch.float32, gen)
+    victim.grad = random_grad((1000,), torch.float32, gen)
+    del opt.state[victim]
+    alone = go.SGD([torch.nn.Parameter(victim.detach().clone())], lr=0.1, momentum=0.9)
+    alone.param_groups[0]["params"][0].grad = victim.grad.clone()
+    for _ in range(2):
+        opt.step()
+        alone.step()
+    assert_bitwise_equal(victim.detach(), alone.param_groups[0]["params"][0].detach(), "the replaced parameter")
+    assert opt.state[victim]["momentum_buffer"].shape == (1000,)
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+@pytest.mark.parametrize("state_bits", [32, 16])
+def test_a_state_viewed_in_place_as_another_dtype_is_rejected(count, state_bits):
+    """A state's .data replaced by a view of its own bytes as another dtype keeps the tensor object and its
+    address (all the state check's cache compares): the step still sees the other dtype and shape, and raises
+    the state's ValueError, changing nothing, on both gathering paths."""
+    gen = make_generator(57)
+    params = make_params([(64,)] * count, torch.float32, gen)
+    opt = go.AdamW(params, lr=0.1, state_bits=state_bits)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((64,), torch.float32, gen)
+        opt.step()
+    state = opt.state[params[-1]]
+    other = torch.bfloat16 if state_bits == 32 else torch.float32
+    address = state["exp_avg"].data_ptr()
+    state["exp_avg"].data = state["exp_avg"].data.view(other)
+    assert state["exp_avg"].data_ptr() == address
+    assert_step_rejected(opt, params, ValueError, "exp_avg")
+
+
 @pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
 @pytest.mark.parametrize("state_bits", [32, 16, 8])
 def test_a_state_replaced_by_hand_in_another_form_is_rejected(count, state_bits):

@@ -8,6 +8,8 @@ otherwise. These tests compare every observable of that against torch.optim.SGD,
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 import pytest
@@ -58,7 +60,8 @@ def test_step_hooks_are_called_as_torch_calls_them(scope):
     assert seen[0] == seen[1]
     assert [kind for kind, *_ in seen[0]] == ["pre", "post", "pre", "post"]
     # three steps each (torch's SGD agrees with ours to fp32 rounding: tests/python/test_optim_torch.py)
-    torch.testing.assert_close(ours.param_groups[0]["params"][0], theirs.param_groups[0]["params"][0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours.param_groups[0]["params"][0], theirs.param_groups[0]["params"][0],
+                               rtol=1e-6, atol=0)
 
 
 def test_a_pre_hook_can_replace_the_step_arguments():
@@ -122,3 +125,31 @@ def test_lr_scheduler_sees_the_optimizer_step():
         ours.step()
         scheduler.step()
     assert float(ours.param_groups[0]["lr"]) == pytest.approx(0.05)
+
+
+def test_a_step_decorated_with_functools_wraps_still_runs_the_hooks():
+    """functools.wraps copies the mark that tells torch not to wrap a step (hooked): torch leaves such a step
+    alone, so graphsafe's step must run the hooks itself."""
+    calls = []
+
+    def logged(step):
+        @functools.wraps(step)
+        def wrapper(self, *args, **kwargs):
+            calls.append("logged")
+            return step(self, *args, **kwargs)
+        return wrapper
+
+    class Logged(go.SGD):
+        step = logged(go.SGD.step)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = Logged([p], lr=0.1)
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    opt.step()
+    assert calls == ["logged", "pre", "post"]
+
+
+def test_step_shows_its_closure_argument():
+    assert list(inspect.signature(go.AdamW([torch.nn.Parameter(torch.ones(2))]).step).parameters) == ["closure"]

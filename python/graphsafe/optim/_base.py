@@ -10,6 +10,7 @@ value: a captured graph keeps the values it was captured with.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections import defaultdict
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, is_not, itemgetter
@@ -229,9 +230,13 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         parameter: 15 of 34 us; an empty step alone: 8 us). This step is marked as wrapped already, so torch
         leaves it alone, and it takes torch's own wrapper whenever that has something to do: a step hook
         registered (the optimizer's or a global one) or the autograd profiler on. A subclass that overrides
-        step is wrapped by torch as usual; its super().step() then runs no hooks a second time. The arguments
-        are passed on as given, so that hooks see what torch's would."""
-        if type(self).step is GraphsafeOptimizer.step and (
+        step is wrapped by torch as usual; its super().step() then runs no hooks a second time (the class's
+        step is torch's wrapper: its code is that wrapper's). A step decorated with functools.wraps copies the
+        mark and is not wrapped by torch: this step runs the hooks then. The arguments are passed on as given,
+        so that hooks see what torch's would. Not seen without a hook: observers of torch's record_function
+        ranges other than the autograd profiler of this thread (a standalone ExecutionTraceObserver); any step
+        hook, even one that does nothing, makes every step take torch's wrapper."""
+        if getattr(type(self).step, "__code__", None) is not _TORCH_WRAPPER_CODE and (
                 _global_optimizer_pre_hooks or _global_optimizer_post_hooks or self._optimizer_step_pre_hooks
                 or self._optimizer_step_post_hooks or _profiler_enabled()):
             return _step_with_torch_wrapper(self, *args, **kwargs)
@@ -393,61 +398,58 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
                 return None
             # key by key (states, absmax, steps), as the core takes them
             tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, bits)]
+            # At every step, not only where the state check runs: `.data = t.data.view(another dtype)` keeps a
+            # state's object and address, which is all that check's cache compares.
+            if bits != 8 and set(map(_dtype_of, chain.from_iterable(tensors[:len(names)]))) - {_UNQUANTIZED_STATE_DTYPES[bits]}:
+                return None  # fp32 states under state_bits=16, or the other way round: convert (or the clear error)
         except KeyError:  # other state names with the same count (options changed): convert
+            return None
+        except AttributeError:  # a state replaced by hand with something else than a tensor: the clear error
             return None
         call = self._kind_call(group, (device, dtype, bits), params, grads, states, names, tensors, numels,
                                param_ptrs, shapes)
-        if call is None:  # fp32 states under state_bits=16, or the other way round: convert
-            return None
         return self._issuer(group, device, dtype, options, {bits: call}, [])
 
     def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int], params: list[Tensor],
                    grads: list[Tensor], states: list[dict[str, Any]], names: list[str], tensors: list[list[Tensor]],
                    numels: list[int], param_ptrs: list[int] | None = None,
-                   shapes: list[torch.Size] | None = None) -> tuple | None:
+                   shapes: list[torch.Size] | None = None) -> tuple:
         """One core call of either gathering path, for parameters of one kind (device, dtype, state bits)
         whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters): the
-        state tensors checked (_check_states_once), then their addresses; None if states are to be converted
-        first (_check_states_once). param_ptrs and shapes: the parameters' addresses and shapes where the
-        caller has read them already."""
+        state tensors checked (_check_states_once), then their addresses. param_ptrs and shapes: the
+        parameters' addresses and shapes where the caller has read them already."""
         try:
             key_ptrs = [list(map(Tensor.data_ptr, key_tensors)) for key_tensors in tensors]
         except TypeError:  # a state that is not a tensor: the full check names it
             key_ptrs = None
-        if not self._check_states_once(group, kind, params, states, names, tensors, key_ptrs,
-                                       shapes if shapes is not None else list(map(_shape_of, params))):
-            return None
+        self._check_states_once(group, kind, params, states, names, tensors, key_ptrs,
+                                shapes if shapes is not None else list(map(_shape_of, params)))
         return _core_call(param_ptrs if param_ptrs is not None else list(map(Tensor.data_ptr, params)),
                           list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels)
 
     def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int],
                            params: list[Tensor], states: list[dict[str, Any]], names: list[str],
                            tensors: list[list[Tensor]], key_ptrs: list[list[int]] | None,
-                           shapes: list[torch.Size]) -> bool:
-        """_check_state_tensors for every parameter of a core call (False, nothing raised, where the states are
-        of the other unquantised dtype, fp32 under state_bits=16 or the other way round: to be converted), skipped while nothing it depends on changed
+                           shapes: list[torch.Size]) -> None:
+        """_check_state_tensors for every parameter of a core call, skipped while nothing it depends on changed
         since an earlier step checked the group's parameters of this kind (device, dtype, state bits): the
-        parameters' shapes (a .data can be replaced by one of another size, which the old states do not fit),
-        the block size, and per state tensor the very object and its address (a tensor changed in place,
-        `.data = ...` or a growing `resize_`, gets new memory while the old is still held; a shrinking resize_
-        keeps the memory it writes into). An identity test and an address comparison per tensor instead of
-        five checks; the address is the one the call passes anyway (shapes: the parameters', as read already). Not seen: two in-place changes between
-        steps whose second lands at the first's freed address (docs/optim.md)."""
+        parameters' shapes (as read already; a .data can be replaced by one of another size, which the old
+        states do not fit), the block size, and per state tensor the very object and its address (a tensor
+        changed in place, `.data = ...` or a growing `resize_`, gets new memory while the old is still held; a
+        shrinking resize_ keeps the memory it writes into). An identity test and an address comparison per
+        tensor instead of five checks; the address is the one the call passes anyway. Not seen: two in-place
+        changes between steps whose second lands at the first's freed address (docs/optim.md)."""
         checked = self._group_memo("_checked_states", group)
         block_size = group["block_size"]
         now = None if key_ptrs is None else (shapes, block_size, key_ptrs)
         seen = checked.get(kind)
         if (now is not None and seen is not None and seen[0] == now and len(seen[1]) == len(tensors)
                 and all(len(a) == len(b) and all(map(is_, a, b)) for a, b in zip(tensors, seen[1]))):
-            return True
-        if kind[2] != 8 and any(getattr(t, "dtype", None) is _OTHER_UNQUANTIZED[kind[2]]
-                                for t in chain.from_iterable(tensors[:len(names)])):
-            return False
+            return
         owner = type(self).__name__
         for p, state in zip(params, states):
             _check_state_tensors(owner, p, state, names, kind[2], block_size)
         checked[kind] = (now, tensors)
-        return True
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
                         pairs: list[tuple[Tensor, Tensor]]) -> Callable[[], None]:
@@ -629,6 +631,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 # The step through torch's wrapper (GraphsafeOptimizer.step says when): the profiler range
 # "Optimizer.step#<class>.step" and the step hooks, exactly as torch runs them around any optimizer's step.
 _step_with_torch_wrapper = torch.optim.Optimizer.profile_hook_step(GraphsafeOptimizer._unwrapped_step)
+# The code of every function profile_hook_step makes: a class whose step it is was wrapped by torch.
+_TORCH_WRAPPER_CODE = _step_with_torch_wrapper.__code__
+# What inspect.signature shows for step: the closure argument, not (*args, **kwargs).
+GraphsafeOptimizer.step.__signature__ = inspect.signature(GraphsafeOptimizer._unwrapped_step)
 
 
 def _all_on(device: torch.device, tensors: list[Tensor]) -> bool:

@@ -1,7 +1,8 @@
 // The optimizer's CUDA kernels (src/optim/cuda.cu compiled as C++ against emulation/common/cuda_check.h)
 // against the CPU backend, on problems chosen to reach every path: all nine algorithms, fp32/bf16/fp16,
 // skip_zeros on and off, sizes below, at and above a 4096-element chunk and not multiples of 4, pointers off
-// 16-byte alignment, more tensors than one launch holds (8 to 14 here: tests/cpp/CMakeLists.txt), and empty tensors; bf16 states (state_bits = 16);
+// 16-byte alignment, more tensors than one launch holds (5 to 9 here: tests/cpp/CMakeLists.txt), and empty
+// tensors; bf16 states (state_bits = 16);
 // and 8-bit states (state_bits = 8) with block sizes 32 to 1024; steps counted by the update kernels (a finish counter) or by a
 // launch ahead. This is CI's check of the
 // kernels' logic (indexing, barriers, shared memory, launch tables); the GPU itself is checked by
