@@ -55,3 +55,49 @@ def test_a_missing_bf16_state_row_is_an_error_not_the_fp32_row():
 
 def dtype_of(case: bo.OptimCase) -> str:
     return "fp32" if case.dtype == torch.float32 else "bf16"
+
+
+def test_host_bound_rounds_combine_to_each_methods_median():
+    """A host-bound compare row's rounds (measure_compare_case) become one record per method: the median of the
+    rounds' ms medians, the bandwidth recomputed from it, the smallest ms min; a failed round is the record."""
+    ctx = context()
+    case = bo.compare_cases(ctx.quick)[0]
+    rounds = []
+    for ms, ms_min, host in ((0.40, 0.38, 0.39), (0.70, 0.60, 0.69), (0.35, 0.33, 0.34)):
+        r = record(case, "graphsafe", ms, "fp32") | {"ms_min": ms_min, "host_ms": host, "bytes": 10**9}
+        rounds.append(r)
+    combined = bo.combine_rounds(rounds, ctx)
+    assert combined["ms_median"] == 0.40 and combined["ms_min"] == 0.33 and combined["host_ms"] == 0.39
+    assert combined["rounds"] == [0.40, 0.70, 0.35]
+    assert combined["gbps"] == round(10**9 / 0.40e-3 / 1e9, 2)
+    failed = dict(rounds[1], error="out of memory")
+    del failed["ms_median"]
+    assert bo.combine_rounds([rounds[0], failed, rounds[2]], ctx) is failed
+    assert bo.host_bound([rounds[0]]) and not bo.host_bound([dict(rounds[0], host_ms=0.1)])
+
+
+def test_a_host_bound_row_on_cuda_is_measured_in_alternating_rounds(monkeypatch):
+    """measure_compare_case: a row bound by the host (host ms near ms median) gets HOST_BOUND_ROUNDS rounds, the
+    methods' order reversed every other round, and speed-ups from the combined medians; a device-bound row, or
+    any row on the CPU, one round."""
+    case = next(c for c in bo.compare_cases(True) if c.dtype == torch.bfloat16)
+    calls = []
+    host_share = {"value": 0.9}
+
+    def fake(ctx, case_, method, torch_ms=None):
+        calls.append(method)
+        ms = {"torch": 1.0, "graphsafe": 0.8, bo.SAME_STORAGE_METHOD: 0.5}[method] + 0.01 * len(calls)
+        return record(case_, method, ms, "bf16") | {"host_ms": host_share["value"] * ms, "bytes": 10**6}
+
+    monkeypatch.setattr(bo, "measure_method", fake)
+    cuda = BenchContext(torch.device("cuda"), True, TimerConfig(1, 1), CopyBandwidth(100.0, 1, 1.0), lambda r: None)
+    records = bo.measure_compare_case(cuda, case)
+    methods = bo.compare_methods(case)
+    assert calls == methods + methods[::-1] + methods
+    assert [r["method"] for r in records] == methods and all(len(r["rounds"]) == bo.HOST_BOUND_ROUNDS for r in records)
+    assert records[1]["speedup_vs_torch"] == round(records[0]["ms_median"] / records[1]["ms_median"], 3)
+    for ctx, share in ((cuda, 0.1), (context(), 0.9)):
+        calls.clear()
+        host_share["value"] = share
+        records = bo.measure_compare_case(ctx, case)
+        assert calls == methods and "rounds" not in records[0]
