@@ -617,18 +617,25 @@ def test_state_dict_moves_between_devices(case, direction):
                            scale=largest.values[i])
 
 
-@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
-def test_a_gradient_left_on_the_cpu_is_rejected(count):
-    """A gradient left on the CPU while its parameter went back to CUDA (p.data = ..., as Module._apply does):
-    the step raises its ValueError and changes nothing, on both gathering paths (the at-once path compares CUDA
-    device indices, Tensor.get_device)."""
-    gen = make_generator(55)
+def _sgd_stepped_twice_on_cuda(count, gen):
+    """count parameters of 300 elements on CUDA and an SGD with momentum that has stepped them twice (the second
+    step took the path the next one will: at once for 2 or more, with its checks remembered)."""
     params = make_params([(300,)] * count, torch.float32, gen, device=CUDA)
     opt = go.SGD(params, lr=0.1, momentum=0.9)
     for _ in range(2):
         for p in params:
             p.grad = random_grad((300,), torch.float32, gen).to(CUDA)
         opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("count", [1, 5], ids=["alone", "at-once group"])
+def test_a_gradient_left_on_the_cpu_is_rejected(count):
+    """A gradient left on the CPU while its parameter went back to CUDA (p.data = ..., as Module._apply does):
+    the step raises its ValueError and changes nothing, on both gathering paths (the at-once path compares CUDA
+    device indices, Tensor.get_device)."""
+    gen = make_generator(55)
+    params, opt = _sgd_stepped_twice_on_cuda(count, gen)
     victim = params[-1]
     victim.data = victim.data.cpu()
     victim.grad = random_grad((300,), torch.float32, gen)  # on the CPU, as its parameter is now
@@ -651,12 +658,7 @@ def test_a_group_moved_to_the_cpu_by_hand_steps_on_the_cpu(count):
     path reads a parameter's device again when its address changed: a device remembered from the CUDA steps
     would hand CPU addresses to a CUDA kernel."""
     gen = make_generator(58)
-    params = make_params([(300,)] * count, torch.float32, gen, device=CUDA)
-    opt = go.SGD(params, lr=0.1, momentum=0.9)
-    for _ in range(2):
-        for p in params:
-            p.grad = random_grad((300,), torch.float32, gen).to(CUDA)
-        opt.step()
+    params, opt = _sgd_stepped_twice_on_cuda(count, gen)
     grads = [random_grad((300,), torch.float32, gen) for _ in params]
     for p, g in zip(params, grads):
         p.data = p.data.cpu()
