@@ -37,7 +37,7 @@ static_assert(kThreads == kNormThreads && kVec == kNormVector, "the norm order o
 // The bytes of a launch's tensor table (the driver copies it, with the other arguments, into every launch). With
 // OptimOptions (120 bytes) and the scalars the kernels' arguments come to about 4.1 KB, over the classic 4 KB
 // limit: that needs CUDA 12.1 or later and a Volta or newer GPU (this project builds for Hopper with CUDA 13).
-// The emulated kernels (tests/cpp/emulation) are built with a smaller table, so that their problems of 8 to 40
+// The emulated kernels (tests/cpp/emulation) are built with a smaller table, so that their problems of 6 to 40
 // tensors go out in several launches, as a real step's hundreds of tensors do.
 #ifndef GRAPHSAFE_OPTIM_ARGUMENT_BYTES
 #define GRAPHSAFE_OPTIM_ARGUMENT_BYTES 4000
