@@ -101,3 +101,6 @@ def test_a_host_bound_row_on_cuda_is_measured_in_alternating_rounds(monkeypatch)
         host_share["value"] = share
         records = bo.measure_compare_case(ctx, case)
         assert calls == methods and "rounds" not in records[0]
+    calls.clear()
+    records = bo.measure_compare_case(context(), case, rounds_wanted=2)  # asked for: whatever the row
+    assert calls == methods + methods[::-1] and len(records[0]["rounds"]) == 2

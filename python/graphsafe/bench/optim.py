@@ -412,16 +412,18 @@ def host_bound(records: list[dict]) -> bool:
     return any("ms_median" in r and r["host_ms"] >= HOST_BOUND_SHARE * r["ms_median"] for r in records)
 
 
-def measure_compare_case(ctx: BenchContext, case: OptimCase) -> list[dict]:
+def measure_compare_case(ctx: BenchContext, case: OptimCase, rounds_wanted: int | None = None) -> list[dict]:
     """One compare row: each method once, and on CUDA, where the row is bound by the host, in
-    HOST_BOUND_ROUNDS - 1 more rounds of alternating order (combine_rounds); speed-ups against torch's result."""
+    HOST_BOUND_ROUNDS - 1 more rounds of alternating order (combine_rounds); speed-ups against torch's result.
+    rounds_wanted: that many rounds whatever the row (tools/time_compare_rounds.py)."""
     methods = compare_methods(case)
     rounds = [[measure_method(ctx, case, m) for m in methods]]
-    if ctx.device.type == "cuda" and host_bound(rounds[0]):
-        for r in range(1, HOST_BOUND_ROUNDS):
-            order = methods[::-1] if r % 2 else methods
-            by_method = {m: measure_method(ctx, case, m) for m in order}
-            rounds.append([by_method[m] for m in methods])
+    if rounds_wanted is None:
+        rounds_wanted = HOST_BOUND_ROUNDS if ctx.device.type == "cuda" and host_bound(rounds[0]) else 1
+    for r in range(1, rounds_wanted):
+        order = methods[::-1] if r % 2 else methods
+        by_method = {m: measure_method(ctx, case, m) for m in order}
+        rounds.append([by_method[m] for m in methods])
     records = [combine_rounds([round_[i] for round_ in rounds], ctx) for i in range(len(methods))]
     torch_ms = records[0].get("ms_median")
     for record in records[1:]:
