@@ -92,6 +92,13 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
 
 // ---- the element loops, for fp32 or bf16 states and for 8-bit states ----
 
+// Calls f with the tensor's ElementView for the unquantised storage of a.state_bits (bf16 for 16, fp32 for 32).
+template <class T, int States, class F>
+void with_element_view(const OptimStepArgs& a, const OptimTensor& t, F f) {
+  if (a.state_bits == 16) f(ElementView<T, bf16_t, States>{t});
+  else f(ElementView<T, float, States>{t});
+}
+
 // Updates every element of the tensor whose gradient is not skipped with rule(g, p, s).
 template <class T, int States, class Rule>
 void update_tensor(const OptimOptions& o, const OptimTensor& t, const OptimStepArgs& a, Rule rule) {
@@ -106,8 +113,7 @@ void update_tensor(const OptimOptions& o, const OptimTensor& t, const OptimStepA
       });
     return;
   }
-  if (a.state_bits == 16) update_elements(o, ElementView<T, bf16_t, States>{t}, rule);
-  else update_elements(o, ElementView<T, float, States>{t}, rule);
+  with_element_view<T, States>(a, t, [&](const auto& e) { update_elements(o, e, rule); });
 }
 
 // Calls visit(offset, g, p, s) for the elements of [begin, end) (a chunk: whole quantisation blocks) in
@@ -124,15 +130,13 @@ void visit_chunk(const OptimOptions& o, const OptimTensor& t, const OptimStepArg
       });
     return;
   }
-  const auto visit_elements = [&](const auto& e) {
+  with_element_view<T, States>(a, t, [&](const auto& e) {
     for (int64_t i = begin; i < end; ++i) {
       float s[4] = {};
       e.load_states(i, s);
       visit(i - begin, e.grad(i), e.param(i), s);
     }
-  };
-  if (a.state_bits == 16) visit_elements(ElementView<T, bf16_t, States>{t});
-  else visit_elements(ElementView<T, float, States>{t});
+  });
 }
 
 // The algorithm is chosen once per tensor, not per element.

@@ -412,20 +412,17 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int], params: list[Tensor],
                    grads: list[Tensor], states: list[dict[str, Any]], names: list[str], tensors: list[list[Tensor]],
-                   numels: list[int], param_ptrs: list[int] | None = None,
-                   shapes: list[torch.Size] | None = None) -> tuple:
+                   numels: list[int], param_ptrs: list[int], shapes: list[torch.Size]) -> tuple:
         """One core call of either gathering path, for parameters of one kind (device, dtype, state bits)
-        whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters): the
-        state tensors checked (_check_states_once), then their addresses. param_ptrs and shapes: the
-        parameters' addresses and shapes where the caller has read them already."""
+        whose states hold every _state_keys entry (tensors: per key, its tensors over the parameters; param_ptrs
+        and shapes: the parameters' addresses and shapes): the state tensors checked (_check_states_once), then
+        their addresses."""
         try:
             key_ptrs = [list(map(Tensor.data_ptr, key_tensors)) for key_tensors in tensors]
         except TypeError:  # a state that is not a tensor: the full check names it
             key_ptrs = None
-        self._check_states_once(group, kind, params, states, names, tensors, key_ptrs,
-                                shapes if shapes is not None else list(map(_shape_of, params)))
-        return _core_call(param_ptrs if param_ptrs is not None else list(map(Tensor.data_ptr, params)),
-                          list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels)
+        self._check_states_once(group, kind, params, states, names, tensors, key_ptrs, shapes)
+        return _core_call(param_ptrs, list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels)
 
     def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int],
                            params: list[Tensor], states: list[dict[str, Any]], names: list[str],
@@ -487,7 +484,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         for bits, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
             tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, bits)]
             calls[bits] = self._kind_call(group, (device, dtype, bits), kind_params, kind_grads, kind_states,
-                                          names, tensors, kind_numels)
+                                          names, tensors, kind_numels, list(map(Tensor.data_ptr, kind_params)),
+                                          list(map(_shape_of, kind_params)))
         return self._issuer(group, device, dtype, options, calls, contiguous_copies)
 
     def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
