@@ -84,7 +84,7 @@ def test_a_host_bound_row_on_cuda_is_measured_in_alternating_rounds(monkeypatch)
     calls = []
     host_share = {"value": 0.9}
 
-    def fake(ctx, case_, method, torch_ms=None):
+    def fake(ctx, case_, method):
         calls.append(method)
         ms = {"torch": 1.0, "graphsafe": 0.8, bo.SAME_STORAGE_METHOD: 0.5}[method] + 0.01 * len(calls)
         return record(case_, method, ms, "bf16") | {"host_ms": host_share["value"] * ms, "bytes": 10**6}

@@ -284,7 +284,7 @@ def _impl(ctx: BenchContext, case: OptimCase, method: str) -> tuple[str, str]:
     return torch_impl(case.algorithm, case.dtype, ctx.device)
 
 
-def measure_method(ctx: BenchContext, case: OptimCase, method: str, torch_ms: float | None = None) -> dict:
+def measure_method(ctx: BenchContext, case: OptimCase, method: str) -> dict:
     """Time case × method; a failure becomes the record's "error" so that the other methods still run."""
     impl, fallback_reason = _impl(ctx, case, method)
     record = _base_record(ctx, case, method, impl)
@@ -301,8 +301,6 @@ def measure_method(ctx: BenchContext, case: OptimCase, method: str, torch_ms: fl
         record |= _timing_fields(ctx, timing, host_ms, moved)
         record |= {"bytes_per_element": round(moved / case.total, 3), "states": names, "state_dtype": state_dtype,
                    "input_sets": len(input_sets)}
-        if torch_ms is not None:
-            record["speedup_vs_torch"] = round(torch_ms / timing.ms_median, 3)
     except Exception as exc:  # one failing method must not hide the others' results
         record["error"] = first_line(exc)
     finally:
