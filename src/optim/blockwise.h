@@ -19,32 +19,28 @@
 
 namespace graphsafe::optim_detail {
 
-// |x| in [2^-23, 1) falls in one of kBuckets buckets: its float's exponent and top 7 mantissa bits. A
-// bucket is narrower than the smallest gap between two neighbouring decision points of either map (the
-// table check below proves it), so within one bucket the nearest-value code takes at most two values.
-// Two more table entries hold the magnitudes outside that range, so that finding a code takes no branch:
-// entry 0 all |x| below 2^-23 (their code is that of 0), entry kBuckets + 1 all |x| >= 1 (they clamp to
-// the ends of the map).
+// |x| in [2^-23, 1) falls in one of kBuckets buckets: its float's exponent and top 7 mantissa bits, so a bucket
+// holds the 2^16 floats that share the upper half of their bits. A bucket is narrower than the smallest gap
+// between two neighbouring decision points of either map (the table check below proves it), so within one
+// bucket the nearest-value code takes at most two values. Magnitudes outside that range are clamped into it
+// first: every |x| below 2^-23 has the code of 2^-23 (that of 0), every |x| from 1 up that of the largest float
+// below 1 (an end of the map); the check below proves both too.
 inline constexpr int kBucketMantissaBits = 7;
-inline constexpr int kSmallestBucketExponent = -23;  // |x| below 2^-23 always gets the code of 0
+inline constexpr int kBucketShift = 23 - kBucketMantissaBits;  // a float's bits >> kBucketShift: its bucket's
+inline constexpr int kSmallestBucketExponent = -23;           // |x| below 2^-23 always gets the code of 0
 inline constexpr int kBuckets = -kSmallestBucketExponent << kBucketMantissaBits;
-inline constexpr int kTableEntries = kBuckets + 2;  // below the buckets, the buckets, at or above 1
-inline constexpr uint32_t kFirstBucketBits = static_cast<uint32_t>(127 + kSmallestBucketExponent) << 23;
+inline constexpr uint32_t kFirstBucketBits = static_cast<uint32_t>(127 + kSmallestBucketExponent) << 23;  // 2^-23
 inline constexpr float kSmallestBucketValue = 1.0f / 8388608.0f;  // 2^-23
+inline constexpr float kLargestBelowOne = 0.99999994f;            // 1 - 2^-24, the last bucket's largest float
 
+// One map: its values, and per bucket the code words code_sum reads. A signed map keeps two words per bucket,
+// code_word[bucket] for x >= 0 and code_word[kBuckets + bucket] for x < 0; an unsigned map one, code_word[bucket]
+// (every x < 0 has the code of 0 there, as 2^-23 has), and the second half of its array is 0 and never read (the
+// CUDA kernels leave it out of shared memory).
 struct QuantizationMap {
-  float value[256];                       // strictly increasing
-  float threshold[256];                   // threshold[c]: the smallest float whose code is above c (255: +inf)
-  uint8_t lower_code[kTableEntries][2];   // per table entry of |x|, [0] for x >= 0 and [1] for x < 0: the smaller code there
+  float value[256];  // strictly increasing
+  uint32_t code_word[2 * kBuckets];
 };
-
-// The table entry of a magnitude (NaN included: it lands at or above 1): the bucket number + 1 in [2^-23, 1),
-// 0 below, kBuckets + 1 at or above 1.
-GS_HD int table_entry(float magnitude) {
-  const int bucket = (static_cast<int>(float_bits(magnitude)) - static_cast<int>(kFirstBucketBits)) >> (23 - kBucketMantissaBits);
-  const int entry = bucket + 1;  // the shift rounds toward minus infinity: every magnitude below 2^-23 gives <= 0
-  return entry < 0 ? 0 : (entry > kBuckets + 1 ? kBuckets + 1 : entry);
-}
 
 constexpr int kLevelsPerDecade(bool is_signed, int decade) { return 1 << ((is_signed ? 6 : 7) - decade); }
 
@@ -136,6 +132,17 @@ constexpr float code_threshold(const float* map, bool is_signed, int c) {
   return t;
 }
 
+// The code word of one bucket and sign (code_sum). Over the bucket's floats x, in the order of their key
+// (the low 16 bits of |x|'s bits for x >= 0, those bits flipped for x < 0, so that x grows with the key), the
+// code is `lower` up to the key `change` where it becomes lower + 1 (change = 2^16: it does not change in the
+// bucket). (lower << 16) + 2^16 - change + key then holds the code in bits 16-23 (below 2^24: no carry out). The
+// word is that number less what the key-forming operation adds to the key: the bucket's first bits for x >= 0
+// (key = clamped bits - first), and for x < 0, where the key is formed as ~clamped bits, 2^32 - 1 - (first + 2^16 - 1).
+constexpr uint32_t code_word(int lower, uint32_t change, uint32_t bucket_first_bits, bool negative) {
+  const uint32_t coded = (static_cast<uint32_t>(lower) << 16) + (0x10000u - change);
+  return negative ? coded + bucket_first_bits + 0x10000u : coded - bucket_first_bits;  // modulo 2^32
+}
+
 constexpr QuantizationMap make_quantization_map(bool is_signed) {
   float positive[256] = {};  // ascending positive levels, smallest decade first
   int count = 0;
@@ -150,31 +157,79 @@ constexpr QuantizationMap make_quantization_map(bool is_signed) {
   m.value[k++] = 0.0f;
   for (int i = 0; i < count; ++i) m.value[k++] = positive[i];
   m.value[k++] = 1.0f;
-  for (int c = 0; c < 255; ++c) m.threshold[c] = code_threshold(m.value, is_signed, c);
-  m.threshold[255] = __builtin_huge_valf();  // never read: no table entry names 255 as its smaller code
+  float threshold[255] = {};  // threshold[c]: the smallest float whose code is above c
+  for (int c = 0; c < 255; ++c) threshold[c] = code_threshold(m.value, is_signed, c);
   for (int b = 0; b < kBuckets; ++b) {
-    m.lower_code[b + 1][0] = reference_code(m.value, is_signed, bucket_low(b));
-    m.lower_code[b + 1][1] = reference_code(m.value, is_signed, -bucket_high(b));
+    // The bucket's floats are low, low + ulp, ..., high (2^16 of them, one binade); x < 0 runs from -high up to -low.
+    const double low = bucket_low(b), high = bucket_high(b);
+    const double ulp = power_of_two(kSmallestBucketExponent + (b >> kBucketMantissaBits) - 23);
+    const uint32_t first_bits = kFirstBucketBits + (static_cast<uint32_t>(b) << kBucketShift);
+    for (int negative = 0; negative < (is_signed ? 2 : 1); ++negative) {
+      const double start = negative ? -high : low, end = negative ? -low : high;  // the bucket's smallest and largest x
+      const int lower = reference_code(m.value, is_signed, static_cast<float>(start));
+      // where the code changes: at threshold[lower] if that lies in the bucket (it is then one of its floats)
+      const uint32_t change = lower < 255 && threshold[lower] <= end
+                                  ? static_cast<uint32_t>((threshold[lower] - start) / ulp) : 0x10000u;
+      m.code_word[negative * kBuckets + b] = code_word(lower, change, first_bits, negative);
+    }
   }
-  // Below the buckets the code is that of 0, and 0 is the nearer of it and the next code for either sign;
-  // at or above 1 in magnitude the end codes, 255 (threshold[254] < 1) or 0 (threshold[0] > -1).
-  m.lower_code[0][0] = m.lower_code[0][1] = static_cast<uint8_t>(zero_code(is_signed));
-  m.lower_code[kBuckets + 1][0] = 254;
-  m.lower_code[kBuckets + 1][1] = 0;
   return m;
 }
 
+GS_HD float abs_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return fabsf(x);
+#else
+  return std::fabs(x);
+#endif
+}
+
+// x clamped to [low, high] (for x not NaN; one instruction each way on the GPU).
+GS_HD float clamp_f(float x, float low, float high) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(fminf(x, high), low);
+#else
+  return std::fmax(std::fmin(x, high), low);
+#endif
+}
+
+// x's code from a map's code words, for x not NaN (reference_code's; quantize_value tests the whole map): the
+// number whose bits 16-23 hold it (bits 24-31 are 0), as the CUDA kernels pack codes straight from it. |x| is
+// clamped into the buckets' range (an unsigned map clamps x itself: every x < 0 has the code of 2^-23, that of
+// 0); the bucket of the clamped float names the word, and the word plus the key is the number (code_word):
+// the key is the clamped float's bits for x >= 0, their complement for x < 0. Branch-free, with one
+// shared-memory read: the 8-bit kernels are instruction-bound.
+template <bool Signed>
+GS_HD uint32_t code_sum(const uint32_t* code_words, float x) {
+  const uint32_t clamped = float_bits(clamp_f(Signed ? abs_f(x) : x, kSmallestBucketValue, kLargestBelowOne));
+  const uint32_t bucket = (clamped >> kBucketShift) - (kFirstBucketBits >> kBucketShift);
+  if constexpr (Signed) {
+    const uint32_t negative = static_cast<uint32_t>(static_cast<int32_t>(float_bits(x)) >> 31);  // all ones for x < 0
+    return code_words[bucket + (negative & static_cast<uint32_t>(kBuckets))] + (clamped ^ negative);
+  } else {
+    return code_words[bucket] + clamped;
+  }
+}
+
+template <bool Signed>
+GS_HD uint8_t code_of(const uint32_t* code_words, float x) { return static_cast<uint8_t>(code_sum<Signed>(code_words, x) >> 16); }
+
 // What makes quantize_value equal reference_code for every float: the code is monotone in x, so a bucket
 // whose two ends' codes differ by at most one holds at most one change of code; the smaller code is never
-// 255 (so code + 1 exists); and magnitudes below the first bucket all get the code of 0.
+// 255 (so code + 1 exists); magnitudes below the first bucket all get the code of 0, as 2^-23 does; and
+// magnitudes from 1 up the end codes, as the largest float below 1 does.
 constexpr bool buckets_hold_one_change(const QuantizationMap& m, bool is_signed) {
   const float below_first = static_cast<float>(power_of_two(kSmallestBucketExponent) - power_of_two(kSmallestBucketExponent - 24));
   if (reference_code(m.value, is_signed, below_first) != zero_code(is_signed)) return false;
   if (reference_code(m.value, is_signed, -below_first) != zero_code(is_signed)) return false;
-  // Entry 0 (|x| < 2^-23, code of 0): the next code's value is more than twice 2^-23 away from 0, so 0 is
-  // the nearer for either sign. Entry kBuckets + 1 (|x| >= 1): 1 and -1 are map values, so the end is nearer.
+  if (reference_code(m.value, is_signed, kSmallestBucketValue) != zero_code(is_signed)) return false;
+  if (reference_code(m.value, is_signed, -kSmallestBucketValue) != zero_code(is_signed)) return false;
+  // |x| < 2^-23 (code of 0): the next code's value is more than twice 2^-23 away from 0, so 0 is the nearer for
+  // either sign. |x| >= 1: 1 and -1 (0 when unsigned) are map values, and the largest float below 1 has the end codes.
   if (!(m.value[zero_code(is_signed) + 1] > 2.0f * kSmallestBucketValue)) return false;
   if (m.value[255] != 1.0f || (is_signed && m.value[0] != -1.0f)) return false;
+  const float below_one = static_cast<float>(1.0 - power_of_two(-24));
+  if (reference_code(m.value, is_signed, below_one) != 255 || reference_code(m.value, is_signed, -below_one) != 0) return false;
   for (int b = 0; b < kBuckets; ++b) {
     const int positive_low = reference_code(m.value, is_signed, bucket_low(b));
     const int positive_high = reference_code(m.value, is_signed, bucket_high(b));
@@ -208,19 +263,14 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   }
 }
 
-// reference_code's code of x, found in constant time and without branches (the 8-bit kernels are
-// instruction-bound): the table entry of |x| names the smaller, c, of the (at most) two codes its floats get,
-// and x gets c + 1 exactly when it is at or above threshold[c], where the code changes (the tie rule is in the
-// thresholds). Two shared-memory reads, a comparison and integer arithmetic. quantize_number is that code for
-// an x that is not NaN; quantize_value also gives NaN the code of 0.
-GS_HD uint8_t quantize_number(const QuantizationMap& m, float x) {
-  const uint32_t bits = float_bits(x);
-  const int lower = m.lower_code[table_entry(bits_float(bits & 0x7fffffffu))][bits >> 31];
-  return static_cast<uint8_t>(lower + int(x >= m.threshold[lower]));
+// reference_code's code of x, in constant time (code_of): quantize_number for an x that is not NaN;
+// quantize_value also gives NaN the code of 0.
+GS_HD uint8_t quantize_number(const QuantizationMap& m, bool is_signed, float x) {
+  return is_signed ? code_of<true>(m.code_word, x) : code_of<false>(m.code_word, x);
 }
 
 GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
-  return x == x ? quantize_number(m, x) : static_cast<uint8_t>(zero_code(is_signed));
+  return x == x ? quantize_number(m, is_signed, x) : static_cast<uint8_t>(zero_code(is_signed));
 }
 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
@@ -273,16 +323,19 @@ GS_HD BlockScale block_scale(float absmax) {
 // normalizes to ±inf (or NaN) and gets the end code (or that of 0), as ±FLT_MAX would.
 // A normalized value is NaN only in a block whose absmax is NaN: otherwise no value is NaN, |value| <= absmax,
 // and the inverse is finite (0 only for an all-zero block), so the product is a number (±inf for ±inf with
-// absmax FLT_MAX). The CUDA step relies on it: it quantises with quantize_number and gives a NaN block the
+// absmax FLT_MAX). The CUDA step relies on it: it quantises with code_sum and gives a NaN block the
 // code of 0 throughout (cuda.cu, Requantizer), instead of testing every value for NaN.
 GS_HD float normalized(float value, const BlockScale& b) { return (value * b.prescale) * b.inverse; }
 
-GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) { return m.value[code] * absmax; }
+GS_HD float dequantize_value(const float* values, uint8_t code, float absmax) { return values[code] * absmax; }
+GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) {
+  return dequantize_value(m.value, code, absmax);
+}
 
 // One quantisation block of n values in one thread: writes their codes, returns the block's absmax. The CPU
 // step and the CPU's standalone quantisation use it; CUDA's standalone quantize_kernel runs the same loop
 // (tests/cpp/emulation compares the two bit for bit), and the CUDA step shares a block among threads
-// (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish and quantize_number
+// (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish and code_sum
 // (cuda.cu's Requantizer: the code of 0 for a whole NaN block, as quantize_value gives it per value).
 GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
   float raw = 0.0f;

@@ -249,20 +249,32 @@ __device__ void for_each_element(const Table& table, const BlockWork& w, Body bo
 
 // ---- 8-bit states ----
 
-// The two maps with their bucket tables (blockwise.h), copied from constant memory into the block's shared
-// memory (quantize_number and dequantize_value read them at data-dependent positions). Called by every
-// thread of the block.
+// The two maps with their code words (blockwise.h): in constant memory for the standalone kernels, and
+// copied into each block's shared memory for the step (code_sum and dequantize_value read them at
+// data-dependent positions), there without the unsigned map's unused half (which would take the block past
+// 48 KB of static shared memory).
 __constant__ QuantizationMap kDeviceMaps[2] = {make_quantization_map(false), make_quantization_map(true)};
-static_assert(sizeof(QuantizationMap) % 4 == 0, "the maps are copied as 32-bit words");
 
-__device__ const QuantizationMap* load_maps_to_shared() {
-  __shared__ QuantizationMap maps[2];
-  constexpr int kWords = int(sizeof(maps) / 4);
-  auto* to = reinterpret_cast<uint32_t*>(maps);
-  const auto* from = reinterpret_cast<const uint32_t*>(kDeviceMaps);
-  for (int i = threadIdx.x; i < kWords; i += blockDim.x) to[i] = from[i];
+struct SharedMaps {
+  float unsigned_value[256];
+  uint32_t unsigned_words[kBuckets];
+  float signed_value[256];
+  uint32_t signed_words[2 * kBuckets];
+  __device__ const float* value(bool is_signed) const { return is_signed ? signed_value : unsigned_value; }
+  __device__ const uint32_t* words(bool is_signed) const { return is_signed ? signed_words : unsigned_words; }
+};
+
+// Called by every thread of the block.
+__device__ const SharedMaps* load_maps_to_shared() {
+  __shared__ SharedMaps maps;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    maps.unsigned_value[i] = kDeviceMaps[0].value[i];
+    maps.signed_value[i] = kDeviceMaps[1].value[i];
+  }
+  for (int i = threadIdx.x; i < kBuckets; i += blockDim.x) maps.unsigned_words[i] = kDeviceMaps[0].code_word[i];
+  for (int i = threadIdx.x; i < 2 * kBuckets; i += blockDim.x) maps.signed_words[i] = kDeviceMaps[1].code_word[i];
   __syncthreads();
-  return maps;
+  return &maps;
 }
 
 // Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
@@ -281,7 +293,7 @@ __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThread
     }
   }
   if (group <= 32) return;
-  const int warp = threadIdx.x / 32, warps = group / 32, first = warp / warps * warps;
+  const int warp = threadIdx.x / 32, warps = group / 32, first = warp & ~(warps - 1);  // warps: a power of two
   if (threadIdx.x % 32 == 0) {
 #pragma unroll
     for (int k = 0; k < N; ++k) exchange[k][warp] = v[k];
@@ -315,32 +327,60 @@ __device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&va
 // magnitude agree_on_block gathered, the block's new absmax and scale; codes<N>(s, first) are state j's
 // codes of elements first .. first + N - 1 of the thread's s[][] (as quantize_value gives them; blockwise.h,
 // normalized, says why a block's values are NaN only where its absmax is, so one test serves the block).
+// The codes in byte 2 of four code sums (blockwise.h, code_sum; their byte 3 is 0), packed into one word, the first
+// in its lowest byte: three byte permutes on the GPU, instead of a shift and a byte move per code.
+__device__ uint32_t codes_of_sums(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(__byte_perm(a, b, 0x0062), __byte_perm(c, d, 0x0062), 0x5410);
+#else
+  return (a >> 16) | ((b >> 8) & 0xff00u) | (c & 0xff0000u) | (d << 8 & 0xff000000u);
+#endif
+}
+
 struct Requantizer {
   int j;
   bool is_signed;
-  const QuantizationMap& map;
+  const uint32_t* words;
   float absmax;
   BlockScale scale;
 
-  __device__ Requantizer(const OptimOptions& o, const QuantizationMap* maps, int state, float raw_absmax)
-      : j(state), is_signed(state_is_signed(o, state)), map(maps[is_signed ? 1 : 0]),
+  __device__ Requantizer(const OptimOptions& o, const SharedMaps* maps, int state, float raw_absmax)
+      : j(state), is_signed(state_is_signed(o, state)), words(maps->words(is_signed)),
         absmax(absmax_finish(raw_absmax)), scale(block_scale(absmax)) {}
 
   template <int N, int V>
   __device__ Pack<uint8_t, N> codes(const float (&s)[V][4], int first) const {
+    static_assert(N % 4 == 0, "codes are packed four at a time");
     float x[N];
+    // One multiply per value where the block's absmax is a normal float (all but vanishingly rare blocks):
+    // normalized's prescale is 1 there, and value * 1 is value exactly, so the codes are the same.
+    if (scale.prescale == 1.0f) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) x[i] = normalized(s[first + i][j], scale);
-    Pack<uint8_t, N> c;
+      for (int i = 0; i < N; ++i) x[i] = s[first + i][j] * scale.inverse;
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) x[i] = normalized(s[first + i][j], scale);
+    }
+    // Four codes per word, in both branches: a NaN branch that set the codes byte by byte made the compiler
+    // take every packed word apart again where the branches meet.
+    uint32_t packed[N / 4];
     // One test for the block, outside the element loop: tested per value, the compiler made a branch of its
     // own (and a convergence barrier) around every value's quantisation.
     if (!(absmax == absmax)) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) c.v[i] = uint8_t(zero_code(is_signed));
-      return c;
-    }
+      for (int i = 0; i < N / 4; ++i) packed[i] = uint32_t(zero_code(is_signed)) * 0x01010101u;
+    } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) c.v[i] = quantize_number(map, x[i]);
+      for (int i = 0; i < N / 4; ++i) {
+        uint32_t sum[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          sum[k] = is_signed ? code_sum<true>(words, x[4 * i + k]) : code_sum<false>(words, x[4 * i + k]);
+        packed[i] = codes_of_sums(sum[0], sum[1], sum[2], sum[3]);
+      }
+    }
+    Pack<uint8_t, N> c;
+    memcpy(&c, packed, N);
     return c;
   }
 };
@@ -387,7 +427,7 @@ __device__ bool pack_aligned(const T* p) {
 // past the tensor's end take no part.
 template <class T, int States, bool Writes, class Body, class Table>
 __device__ void for_each_quantized_element(const OptimOptions& o, const Table& table, const BlockWork& w,
-                                           int block_size, const QuantizationMap* maps, Body body) {
+                                           int block_size, const SharedMaps* maps, Body body) {
   constexpr int V = Writes ? 8 : kNormVector;
   __shared__ float exchange[States + 1][kThreads / 32];
   T* param = static_cast<T*>(table.param[w.tensor]);
@@ -427,7 +467,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
     }
 #pragma unroll
     for (int j = 0; j < States; ++j) {
-      const QuantizationMap& map = maps[state_is_signed(o, j) ? 1 : 0];
+      const float* map = maps->value(state_is_signed(o, j));
       const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]);
       if (base < w.end) scale[j] = table.absmax[j][w.tensor][quant_block];
       Pack<uint8_t, V> c{};
@@ -488,7 +528,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
 template <class T, int States, class Body, class Table>
 __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o, const Table& table,
                                                            const BlockWork& w, int block_size,
-                                                           const QuantizationMap* maps, Body body) {
+                                                           const SharedMaps* maps, Body body) {
   constexpr int kPiece = 16 / int(sizeof(T)), kPieces = 8 / kPiece, kPieceStride = 32 * kPiece;
   __shared__ float exchange[States + 1][kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_block = block_size / 256;
@@ -512,7 +552,7 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
     }
 #pragma unroll
     for (int j = 0; j < States; ++j) {
-      const QuantizationMap& map = maps[state_is_signed(o, j) ? 1 : 0];
+      const float* map = maps->value(state_is_signed(o, j));
       const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin;
       const float scale = table.absmax[j][w.tensor][quant_block];
 #pragma unroll
@@ -555,7 +595,8 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
         for (int k = 0; k < kPieces; ++k)
           store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride),
                           q.codes<kPiece>(s, k * kPiece));
-        if (lane == 0 && warp % warps_per_block == 0) table.absmax[j][w.tensor][quant_block] = q.absmax;
+        // warps_per_block is a power of two: a mask, not the integer division (about 25 instructions) of `%`.
+        if (lane == 0 && (warp & (warps_per_block - 1)) == 0) table.absmax[j][w.tensor][quant_block] = q.absmax;
       }
     }
   }
@@ -575,7 +616,7 @@ __device__ bool whole_chunk_path(const Table& table, const BlockWork& w, int blo
 // returns whether it updated the element; with Writes the updates are stored, without, nothing is.
 template <class T, int States, int Bits, bool Writes, class Body, class Table>
 __device__ void for_each(const OptimOptions& o, const Table& table, const BlockWork& w, int block_size,
-                         const QuantizationMap* maps, Body body) {
+                         const SharedMaps* maps, Body body) {
   if constexpr (Bits == 8) {
     if constexpr (Writes) {
       if (whole_chunk_path<T, States>(table, w, block_size)) {
@@ -638,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, QuantizedElementwiseBlocksPerSM<Math
     quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable<States, 8> table, int64_t total_blocks,
                                  int block_size) {
   __shared__ Coefficients k;
-  const QuantizationMap* maps = load_maps_to_shared();
+  const SharedMaps* maps = load_maps_to_shared();
   const OptimOptions known = with_known_options<A, States>(o);
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
@@ -677,7 +718,7 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
                                                           int64_t total_blocks, int block_size, float* chunk_norms) {
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
-  const QuantizationMap* maps = nullptr;
+  const SharedMaps* maps = nullptr;
   if constexpr (Bits == 8) maps = load_maps_to_shared();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
@@ -723,7 +764,7 @@ template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table,
                                                         int64_t total_blocks, int block_size, const float* factors) {
   __shared__ Coefficients k;
-  const QuantizationMap* maps = nullptr;
+  const SharedMaps* maps = nullptr;
   if constexpr (Bits == 8) maps = load_maps_to_shared();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {

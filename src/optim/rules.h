@@ -33,20 +33,12 @@ GS_HD float max_f(float a, float b) { return (a != a || a > b) ? a : b; }  // Na
 GS_HD double min_d(double a, double b) { return a < b ? a : b; }
 GS_HD float sign_f(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
 
-// torch.lerp's formula (two forms, for accuracy near either end): self + weight * (end - self) below 0.5,
-// else end - (end - self) * (1 - weight), written as end + (end - self) * -(1 - weight) (the same bits: IEEE
-// negation is exact) so that the forms differ only in a start and a factor that depend on weight alone, which
-// the CUDA kernels choose once per tensor instead of computing both forms per element.
-GS_HD float lerp(float self, float end, float weight) {
-  const bool low = weight < 0.5f;
-  return (low ? self : end) + (end - self) * (low ? weight : -(1.0f - weight));
-}
-
 // How a rule takes square roots and quotients.
 // ExactMath: IEEE square root and division, torch's numerics. The fp32-state kernels and the CPU backend use it.
 // FastMath: the CUDA 8-bit element-wise kernels, which are instruction-bound (an IEEE square root and
 //   division take about 10 instructions each, with a branch to a slow path; these take 1 to 4). On the GPU:
-//   the approximate square root (sqrt.approx.f32, relative error within 2^-23, subnormals handled), quotients
+//   the approximate square root (sqrt.approx.ftz.f32, relative error within 2^-23; a subnormal input counts as 0,
+//   see fast_math_applies), quotients
 //   as a times the approximate reciprocal of b (rcp.approx.ftz.f32, within 1 ulp; b and 1 / b must be normal
 //   floats, or b infinite: every divisor of the rules below is at least eps and at most eps + 1.8e27 (the
 //   square root of a float, times at most 1 / sqrt(2^-53)) or infinite, and the kernels take FastMath only for
@@ -54,17 +46,24 @@ GS_HD float lerp(float self, float end, float weight) {
 //   double). So CUDA's 8-bit steps differ from the CPU's by a few fp32 ulps of each update, well inside one
 //   quantisation step; each backend stays bitwise repeatable. On the host FastMath is ExactMath (the CPU
 //   backend's bits, and CI's emulation of the kernels, are those of the exact rules).
+//   A product (or a division by a constant) and a sum are one fused multiply-add there: one rounding instead of
+//   two, and one instruction. ExactMath's four forms are the plain expressions, operands in the order written
+//   (the rules keep torch's; on the CPU the order picks which NaN's payload a sum of two NaNs keeps).
 struct ExactMath {
   static GS_HD float sqrt(float x) { return sqrt_f(x); }
   static GS_HD float divide(float a, float b) { return a / b; }
   static GS_HD float divide_by_constant(float a, float b, float /*inverse_b*/) { return a / b; }
+  static GS_HD float multiply_add(float a, float b, float c) { return a * b + c; }
+  static GS_HD float add_product(float c, float a, float b) { return c + a * b; }
+  static GS_HD float subtract_product(float c, float a, float b) { return c - a * b; }
+  static GS_HD float divide_by_constant_add(float a, float b, float /*inverse_b*/, float c) { return a / b + c; }
 };
 
 #if defined(__CUDA_ARCH__)
 struct FastMath {
   static __device__ float sqrt(float x) {
     float r;
-    asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+    asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
   }
   static __device__ float divide(float a, float b) {
@@ -73,14 +72,40 @@ struct FastMath {
     return a * inverse;
   }
   static __device__ float divide_by_constant(float a, float /*b*/, float inverse_b) { return a * inverse_b; }
+  static __device__ float multiply_add(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+  static __device__ float add_product(float c, float a, float b) { return __fmaf_rn(a, b, c); }
+  static __device__ float subtract_product(float c, float a, float b) { return __fmaf_rn(-a, b, c); }
+  static __device__ float divide_by_constant_add(float a, float /*b*/, float inverse_b, float c) {
+    return __fmaf_rn(a, inverse_b, c);
+  }
 };
 #else
 struct FastMath : ExactMath {};
 #endif
 
-// Whether FastMath may serve a step with these options: its reciprocal flushes subnormal inputs and results,
-// so the divisors (in [eps, eps + 1.8e27], or infinite) must stay between FLT_MIN and 2^126.
-GS_HD bool fast_math_applies(const OptimOptions& o) { return o.eps >= 1.1754943508222875e-38 && o.eps <= 1e30; }
+// Whether FastMath may serve a step with these options. Its reciprocal flushes subnormal inputs and results,
+// so the divisors (in [eps, eps + 1.8e27], or infinite) must stay between FLT_MIN and 2^126. Its square root
+// takes a subnormal input (a second moment below 2^-126) as 0: every root is divided by a bias correction (or
+// by 1) and then added to eps, so that drops less than 2^-63 times the largest inverse bias correction,
+// 1 / sqrt(1 - beta2) (Adam, AdamW and AdEMAMix at their first step); that must stay below 2^-24 of eps, half
+// an ulp of the sum it is added to (eps >= 1e-11 with beta2 = 0.999, eps >= 1e-10 with beta2 = 0.99999).
+GS_HD bool fast_math_applies(const OptimOptions& o) {
+  if (!(o.eps >= 1.1754943508222875e-38 && o.eps <= 1e30)) return false;
+  const bool bias_corrected = o.algorithm == OptimAlgorithm::Adam || o.algorithm == OptimAlgorithm::AdamW ||
+                              o.algorithm == OptimAlgorithm::AdEMAMix;
+  const double largest_inverse_correction = bias_corrected ? 1.0 / sqrt_d(1.0 - o.beta2) : 1.0;
+  return 1.0842021724855044e-19 * largest_inverse_correction <= o.eps * 5.9604644775390625e-08;  // 2^-63, 2^-24
+}
+
+// torch.lerp's formula (two forms, for accuracy near either end): self + weight * (end - self) below 0.5,
+// else end - (end - self) * (1 - weight), written as end + (end - self) * -(1 - weight) (the same bits: IEEE
+// negation is exact) so that the forms differ only in a start and a factor that depend on weight alone, which
+// the CUDA kernels choose once per tensor instead of computing both forms per element.
+template <class Math = ExactMath>
+GS_HD float lerp(float self, float end, float weight) {
+  const bool low = weight < 0.5f;
+  return Math::add_product(low ? self : end, end - self, low ? weight : -(1.0f - weight));
+}
 
 // skip_zeros tests the raw gradient element: +0.0 and -0.0 are skipped, NaN is not.
 GS_HD bool skipped(const OptimOptions& o, float raw_grad) { return o.skip_zeros && raw_grad == 0.0f; }
@@ -146,20 +171,20 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
 template <class Math>
 GS_HD void adam(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s, bool decoupled) {
   if (o.maximize) g = -g;
-  if (o.weight_decay != 0.0) {
-    if (decoupled) p = p * k.decay_factor;
-    else g = g + k.weight_decay * p;
-  }
-  const float m = lerp(s[0], g, k.one_minus_beta1);
-  const float v = s[1] * k.beta2 + k.one_minus_beta2 * (g * g);
+  // Decoupled decay multiplies by 1 - lr * weight_decay even without decay, where that is exactly 1 and p * 1 is p
+  // (a NaN p stays NaN): no test of weight_decay per element in the instruction-bound 8-bit kernels.
+  if (decoupled) p = p * k.decay_factor;
+  else if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
+  const float m = lerp<Math>(s[0], g, k.one_minus_beta1);
+  const float v = Math::multiply_add(s[1], k.beta2, k.one_minus_beta2 * (g * g));
   float v_used = v;
   if (o.amsgrad) {
     s[2] = max_f(s[2], v);
     v_used = s[2];
   }
-  const float denom =
-      Math::divide_by_constant(Math::sqrt(v_used), k.bias_correction2_sqrt, k.inverse_bias_correction2_sqrt) + k.eps;
-  p = p + k.neg_step_size * Math::divide(m, denom);
+  const float denom = Math::divide_by_constant_add(Math::sqrt(v_used), k.bias_correction2_sqrt,
+                                                    k.inverse_bias_correction2_sqrt, k.eps);
+  p = Math::add_product(p, k.neg_step_size, Math::divide(m, denom));
   s[0] = m;
   s[1] = v;
 }
@@ -186,11 +211,11 @@ GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float&
   if (o.maximize) g = -g;
   if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
   const float previous_square_avg = o.centered ? max_f(s[0], s[1] * s[1]) : s[0];
-  const float square_avg = previous_square_avg * k.alpha + k.one_minus_alpha * (g * g);
+  const float square_avg = Math::multiply_add(previous_square_avg, k.alpha, k.one_minus_alpha * (g * g));
   s[0] = square_avg;
   float avg;
   if (o.centered) {
-    const float grad_avg = lerp(s[1], g, k.one_minus_alpha);
+    const float grad_avg = lerp<Math>(s[1], g, k.one_minus_alpha);
     s[1] = grad_avg;
     avg = Math::sqrt(max_f(square_avg + (-1.0f) * (grad_avg * grad_avg), 0.0f)) + k.eps;
   } else {
@@ -198,12 +223,12 @@ GS_HD void rmsprop(const OptimOptions& o, const Coefficients& k, float g, float&
   }
   if (o.momentum > 0.0) {
     // The buffer is s[2] when centered, else s[1]; constant indices keep s[] in registers in the CUDA kernels.
-    const float buf = (o.centered ? s[2] : s[1]) * k.momentum + Math::divide(g, avg);
+    const float buf = Math::multiply_add(o.centered ? s[2] : s[1], k.momentum, Math::divide(g, avg));
     if (o.centered) s[2] = buf;
     else s[1] = buf;
-    p = p + (-k.lr) * buf;
+    p = Math::add_product(p, -k.lr, buf);
   } else {
-    p = p + (-k.lr) * Math::divide(g, avg);
+    p = Math::add_product(p, -k.lr, Math::divide(g, avg));
   }
 }
 
@@ -211,9 +236,9 @@ template <class Math>
 GS_HD void adagrad(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (o.maximize) g = -g;
   if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
-  const float sum = s[0] + g * g;
+  const float sum = Math::add_product(s[0], g, g);
   s[0] = sum;
-  p = p + k.neg_adagrad_lr * Math::divide(g, Math::sqrt(sum) + k.eps);
+  p = Math::add_product(p, k.neg_adagrad_lr, Math::divide(g, Math::sqrt(sum) + k.eps));
 }
 
 // Lion (Chen et al. 2023, Algorithm 2): the sign of an interpolation, decoupled weight decay.
@@ -230,14 +255,15 @@ GS_HD void lion(const OptimOptions& o, const Coefficients& k, float g, float& p,
 template <class Math>
 GS_HD void ademamix(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (o.maximize) g = -g;
-  const float m1 = k.beta1 * s[0] + k.one_minus_beta1 * g;
-  const float m2 = k.beta3 * s[1] + k.one_minus_beta3 * g;
-  const float v = k.beta2 * s[2] + k.one_minus_beta2 * (g * g);
-  const float denom =
-      Math::divide_by_constant(Math::sqrt(v), k.bias_correction2_sqrt, k.inverse_bias_correction2_sqrt) + k.eps;
-  const float update =
-      Math::divide(Math::divide_by_constant(m1, k.bias_correction1, k.inverse_bias_correction1) + k.mix_alpha * m2, denom);
-  p = p - k.lr * (update + k.weight_decay * p);
+  const float m1 = Math::multiply_add(k.beta1, s[0], k.one_minus_beta1 * g);
+  const float m2 = Math::multiply_add(k.beta3, s[1], k.one_minus_beta3 * g);
+  const float v = Math::multiply_add(k.beta2, s[2], k.one_minus_beta2 * (g * g));
+  const float denom = Math::divide_by_constant_add(Math::sqrt(v), k.bias_correction2_sqrt,
+                                                    k.inverse_bias_correction2_sqrt, k.eps);
+  const float update = Math::divide(
+      Math::add_product(Math::divide_by_constant(m1, k.bias_correction1, k.inverse_bias_correction1), k.mix_alpha, m2),
+      denom);
+  p = Math::subtract_product(p, k.lr, Math::add_product(update, k.weight_decay, p));
   s[0] = m1;
   s[1] = m2;
   s[2] = v;
