@@ -88,7 +88,7 @@ struct FastMath : ExactMath {};
 // takes a subnormal input (a second moment below 2^-126) as 0: every root is divided by a bias correction (or
 // by 1) and then added to eps, so that drops less than 2^-63 times the largest inverse bias correction,
 // 1 / sqrt(1 - beta2) (Adam, AdamW and AdEMAMix at their first step); that must stay below 2^-24 of eps, half
-// an ulp of the sum it is added to (eps >= 1e-11 with beta2 = 0.999, eps >= 1e-10 with beta2 = 0.99999).
+// an ulp of the sum it is added to (eps >= 5.8e-11 with beta2 = 0.999, 5.8e-10 with beta2 = 0.99999).
 GS_HD bool fast_math_applies(const OptimOptions& o) {
   if (!(o.eps >= 1.1754943508222875e-38 && o.eps <= 1e30)) return false;
   const bool bias_corrected = o.algorithm == OptimAlgorithm::Adam || o.algorithm == OptimAlgorithm::AdamW ||

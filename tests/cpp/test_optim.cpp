@@ -141,6 +141,32 @@ TEST(OptimCpu, EveryAlgorithmAndStateCountIsDispatchedOnce) {
     }
 }
 
+// FastMath's square root takes a subnormal second moment as 0: fast_math_applies admits eps only where what that
+// drops (under 2^-63 times the largest inverse bias correction, 1 / sqrt(1 - beta2)) stays under 2^-24 of eps.
+TEST(OptimCpu, FastMathAppliesWhereAFlushedSecondMomentIsBelowHalfAnUlpOfEps) {
+  const auto applies = [](OptimAlgorithm a, double eps, double beta2) {
+    OptimOptions o;
+    o.algorithm = a;
+    o.eps = eps;
+    o.beta2 = beta2;
+    return optim_detail::fast_math_applies(o);
+  };
+  const double bound = std::ldexp(1.0, -39);  // 2^-63 / 2^-24
+  for (OptimAlgorithm a : {OptimAlgorithm::Adam, OptimAlgorithm::AdamW, OptimAlgorithm::AdEMAMix})
+    for (double beta2 : {0.0, 0.9, 0.999, 0.99999}) {
+      const double least = bound / std::sqrt(1.0 - beta2);
+      EXPECT_TRUE(applies(a, least * 1.0001, beta2)) << int(a) << " beta2 " << beta2;
+      EXPECT_FALSE(applies(a, least * 0.9999, beta2)) << int(a) << " beta2 " << beta2;
+    }
+  EXPECT_TRUE(applies(OptimAlgorithm::AdamW, 1e-8, 0.999));  // torch's defaults
+  for (OptimAlgorithm a : {OptimAlgorithm::RMSprop, OptimAlgorithm::Adagrad}) {  // no bias correction
+    EXPECT_TRUE(applies(a, bound * 1.0001, 0.999999));
+    EXPECT_FALSE(applies(a, bound * 0.9999, 0.0));
+  }
+  EXPECT_FALSE(applies(OptimAlgorithm::AdamW, 0.0, 0.999));
+  EXPECT_FALSE(applies(OptimAlgorithm::AdamW, 1e31, 0.999));  // the reciprocal's range
+}
+
 TEST(OptimCpu, RejectsInvalidHyperparameters) {
   OptimOptions o;
   o.beta1 = 1.0;
