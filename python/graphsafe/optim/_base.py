@@ -23,6 +23,11 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import _C, ops
 
+try:  # what torch.compile checks its inputs' tensors with, in C++ (_tensor_guard)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:
+    _TensorGuards = None
+
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS); for the others the core's
 # optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
@@ -40,6 +45,61 @@ _AT_ONCE_MIN_PARAMS = 2
 # The raw CUDA stream torch is issuing to on a device (torch.cuda.current_stream builds a Stream object each
 # time, a few microseconds of an eager step); the public call where this private one is missing.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_is_cpu = attrgetter("is_cpu")
+
+
+class _StateMap(defaultdict):
+    """The optimizer's `state` (parameter -> its state dict), a defaultdict(dict) that counts the changes made to
+    it. An eager step looks its parameters' state dicts up once and reuses that list while the mapping is the same
+    object at the same count and the parameters are the same objects (_states_looked_up): a look-up costs a
+    Tensor.__hash__, a Python function (this CPU: 115 ns a parameter, the dearest read of an at-once step).
+    Counted: every way Python changes a dict (a state dict set, replaced or deleted by hand, clear, update,
+    load_state_dict's new mapping, a state made on first use). Not counted, and not needing it: a parameter's own
+    state dict changed in place (the step reads its entries again every time). Not seen: the mapping changed by C
+    code that bypasses these methods (dict.__setitem__(opt.state, ...) called on the base class). Pickles,
+    copies and deep-copies as a defaultdict does (into a _StateMap, counting from 0: a new object)."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.version = getattr(self, "version", 0) + 1  # (never back to a count seen: __init__ called again)
+
+    def __missing__(self, key: Any) -> Any:
+        self.version += 1
+        return super().__missing__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[Any, Any]:
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, *args: Any) -> Any:
+        self.version += 1
+        return super().setdefault(*args)
+
+    def __ior__(self, other: Any) -> "_StateMap":
+        self.version += 1
+        return super().__ior__(other)
 
 
 def _current_stream(device: torch.device) -> int:
@@ -89,6 +149,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults, skip_zeros=bool(skip_zeros), state_bits=state_bits, block_size=block_size,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
+        self.state = _StateMap(dict, self.state)  # (torch's plain defaultdict, empty still)
         for group in self.param_groups:
             self._check_group(group)
             group["lr"] = _lr_tensor(group["lr"], self._group_device(group))
@@ -146,6 +207,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._initialised = True
+        # torch's plain defaultdict (an optimizer pickled before _StateMap, torch.optim.Optimizer.load_state_dict)
+        if isinstance(self.state, dict) and type(self.state) is not _StateMap:
+            self.state = _StateMap(dict, self.state)
         for cache in ("_checked_states", "_checked_params"):  # new groups and states (load_state_dict): checked anew
             self.__dict__.pop(cache, None)
 
@@ -308,8 +372,12 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
 
     def _prepare_group_at_once(self, group: dict[str, Any]) -> list[Callable[[], None]] | None:
         """The common case of a step, checked and gathered list by list instead of parameter by parameter
-        (each check below runs over all parameters in C, through map; the Python loop in _prepare_bucket costs
-        about twice as much per parameter, and an eager step of many small tensors is bound by that cost).
+        (each check below runs over all parameters in C, through map or one TensorGuards call; the Python loop in
+        _prepare_bucket costs about twice as much per parameter, and an eager step of many small tensors is bound
+        by that cost). What stays as it was between steps is read once (_params_checked_once, _grads_fit,
+        _states_looked_up, _check_states_once say when it is read again); at every step: each gradient, its
+        form (in one call while alike the last step's) and address, the parameters' addresses and form, and
+        every state entry the core writes, its identity, address and dtype.
 
         Taken for groups of _AT_ONCE_MIN_PARAMS parameters or more (below, its fixed cost is more than the
         loop's) when the group's parameters with a gradient, and those gradients, are on one device, strided
@@ -327,18 +395,12 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             params, grads = list(compress(params, keep)), list(compress(grads, keep))
             if not grads or set(map(type, grads)) != _PLAIN_TENSOR:
                 return None
-        dtypes = list(map(_dtype_of, params))
-        shapes = list(map(_shape_of, params))
         param_ptrs = list(map(Tensor.data_ptr, params))
-        known = self._params_checked_once(group, params, dtypes, shapes, param_ptrs)
-        if known is None:
+        seen = self._params_checked_once(group, params, param_ptrs)
+        if seen is None or not _grads_fit(seen, grads):
             return None
-        device, numels = known
-        if (list(map(_dtype_of, grads)) != dtypes  # dtypes are singletons: compared by identity
-                or not _all_on(device, grads) or set(map(_layout_of, grads)) != _STRIDED
-                or list(map(_shape_of, grads)) != shapes or not all(map(Tensor.is_contiguous, grads))
-                or not all(map(Tensor.is_contiguous, params))):  # p.data = p.data.t() keeps address and shape
-            return None
+        dtypes, numels, shapes = seen.dtypes, seen.numels, seen.shapes
+        states = self._states_looked_up(seen)
         state_bits = group["state_bits"]
         if state_bits == 8:  # 8 bits from min_8bit_size elements, fp32 below
             min_8bit_size = group["min_8bit_size"]
@@ -346,51 +408,68 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         else:
             bits = None  # all state_bits
         if len(set(dtypes)) == 1 and (bits is None or len(set(bits)) == 1):
-            buckets = {(dtypes[0], bits[0] if bits else int(state_bits)): (params, grads, numels, param_ptrs, shapes)}
+            buckets = {(dtypes[0], bits[0] if bits else int(state_bits)):
+                       (params, grads, numels, param_ptrs, shapes, states)}
         else:  # one core call per (dtype, storage bits), in the order the kinds first appear
             buckets = {}
-            for entry in zip(params, grads, numels, param_ptrs, shapes, zip(dtypes, bits or repeat(int(state_bits)))):
-                bucket = buckets.setdefault(entry[-1], ([], [], [], [], []))
+            for entry in zip(params, grads, numels, param_ptrs, shapes, states,
+                             zip(dtypes, bits or repeat(int(state_bits)))):
+                bucket = buckets.setdefault(entry[-1], ([], [], [], [], [], []))
                 for column, value in zip(bucket, entry):
                     column.append(value)
         issues = []
         for (dtype, kind_bits), bucket in buckets.items():
-            issue = self._prepare_kind_at_once(group, device, dtype, kind_bits, *bucket)
+            issue = self._prepare_kind_at_once(group, seen.device, dtype, kind_bits, *bucket)
             if issue is None:
                 return None
             issues.append(issue)
         return issues
 
-    def _params_checked_once(self, group: dict[str, Any], params: list[Tensor], dtypes: list[torch.dtype],
-                             shapes: list[torch.Size], param_ptrs: list[int]) -> tuple[torch.device, list[int]] | None:
-        """For _prepare_group_at_once: the device and element counts of the group's parameters with a gradient
-        when they are all on one device, None otherwise. Read again only when a parameter, its dtype, shape or
-        address changed since the step that last read them (p.data = ... replaces a parameter's tensor): a
-        device costs more to read per parameter (a new torch.device each time) than comparing the dtypes,
-        shapes and addresses, which the step reads anyway. (The gradients, new tensors at every step of a
-        training loop, are checked at every step.) A tensor on another device cannot take the address of one
-        that is alive (CUDA's unified addressing); not seen, as in _check_states_once: a tensor made on another
-        device at the address of one freed between two steps."""
+    def _params_checked_once(self, group: dict[str, Any], params: list[Tensor],
+                             param_ptrs: list[int]) -> _ParamsSeen | None:
+        """For _prepare_group_at_once: the group's parameters with a gradient as last read (their device, dtypes,
+        shapes and element counts; _ParamsSeen) when they are all contiguous and on one device, None otherwise.
+        Read again only when a parameter is another object or changed since the step that last read them (p.data
+        = ... replaces a parameter's tensor; p.data = p.data.t() keeps address and shape): its address (read at
+        every step, the core takes it), or what the parameters' guard compares (_tensor_guard: Python type, dtype,
+        device, layout, shape and strides, in one call; where torch has no guard, the dtypes and shapes and
+        contiguity, read at every step). A tensor on another device cannot take the address of one that is alive
+        (CUDA's unified addressing); not seen, as in _check_states_once: a tensor made on another device at the
+        address of one freed between two steps."""
         memo = self._group_memo("_checked_params", group)
         seen = memo.get("params")
-        if (seen is not None and seen[1] == param_ptrs and seen[2] == shapes and seen[3] == dtypes
-                and len(seen[0]) == len(params) and all(map(is_, params, seen[0]))):
-            return seen[4]
+        if (seen is not None and seen.ptrs == param_ptrs and len(seen.params) == len(params)
+                and all(map(is_, params, seen.params)) and seen.still_holds(params)):
+            return seen
+        if not all(map(Tensor.is_contiguous, params)):
+            return None
         devices = set(map(_device_of, params))
         if len(devices) != 1:
             return None
-        known = (devices.pop(), list(map(Tensor.numel, params)))
-        memo["params"] = (list(params), param_ptrs, shapes, dtypes, known)
-        return known
+        seen = memo["params"] = _ParamsSeen(params, param_ptrs, devices.pop())
+        return seen
+
+    def _states_looked_up(self, seen: _ParamsSeen) -> list[dict[str, Any]]:
+        """The state dicts of seen's parameters (() for a parameter without state yet), looked up again only when
+        the parameters were read again or the state mapping is another object or has changed since (_StateMap's
+        count; a mapping of another type, set by hand, is looked up at every step). Their entries are the
+        caller's to read at every step: a state dict can be changed in place."""
+        mapping = self.state
+        if type(mapping) is not _StateMap:
+            return list(map(mapping.get, seen.params, repeat(())))
+        looked_up = seen.states
+        if looked_up is None or looked_up[0] is not mapping or looked_up[1] != mapping.version:
+            looked_up = seen.states = (mapping, mapping.version, list(map(mapping.get, seen.params, repeat(()))))
+        return looked_up[2]
 
     def _prepare_kind_at_once(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, bits: int,
                               params: list[Tensor], grads: list[Tensor], numels: list[int], param_ptrs: list[int],
-                              shapes: list[torch.Size]) -> Callable[[], None] | None:
+                              shapes: list[torch.Size], states: list[dict[str, Any]]) -> Callable[[], None] | None:
         """_prepare_group_at_once's core call for the parameters of one dtype whose states are stored in `bits`
         (32, 16 or 8), or None if a state is not in the form the call needs (missing, or another form to
-        convert). param_ptrs and shapes: the parameters' addresses and shapes, as read already."""
+        convert). param_ptrs, shapes and states: the parameters' addresses, shapes and state dicts, as read
+        already."""
         options, names = self._bucket_options(group, dtype)  # raises as the general path would
-        states = list(map(self.state.get, params, repeat(())))  # () for a parameter without state yet
         if set(map(len, states)) != {_state_entry_count(names, bits)}:
             return None
         try:
@@ -579,7 +658,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             for group, saved in zip(self.param_groups, saved_groups)
             for saved_id, p in zip(saved["params"], group["params"])
         }
-        state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+        state: defaultdict[Tensor, dict[str, Any]] = _StateMap(dict)
         for saved_id, values in state_dict["state"].items():
             if saved_id not in id_to_param:
                 continue
@@ -638,11 +717,104 @@ GraphsafeOptimizer.step.__signature__ = inspect.signature(GraphsafeOptimizer._un
 def _all_on(device: torch.device, tensors: list[Tensor]) -> bool:
     """Whether all tensors are on `device`. On CUDA by their device index (Tensor.get_device, an int: reading
     Tensor.device makes a torch.device per tensor, the dearest check of an at-once step, this CPU: 162 against 68
-    ns): CPU and meta tensors give -1, never a CUDA index. Not told apart: another indexed device type with the same
-    index (an out-of-tree backend in the same process)."""
+    ns): CPU and meta tensors give -1, never a CUDA index; on the CPU by Tensor.is_cpu. Not told apart: another
+    indexed device type with the same index (an out-of-tree backend in the same process)."""
     if device.type == "cuda":
         return set(map(Tensor.get_device, tensors)) == {device.index}
+    if device.type == "cpu":  # a bool per tensor (meta tensors, also -1 by get_device, are not CPU's)
+        return all(map(_is_cpu, tensors))
     return set(map(_device_of, tensors)) == {device}
+
+
+class _ParamsSeen:
+    """A param group's parameters with a gradient as _params_checked_once read them (all contiguous, on `device`),
+    and what later steps reuse while they stay as read: the gradients' guard (_grads_fit) and the state dicts
+    looked up (_states_looked_up)."""
+
+    __slots__ = ("params", "ptrs", "device", "dtypes", "shapes", "numels", "guard", "grad_guard", "states")
+
+    def __init__(self, params: list[Tensor], ptrs: list[int], device: torch.device) -> None:
+        self.params, self.ptrs, self.device = list(params), ptrs, device
+        self.dtypes = list(map(_dtype_of, params))
+        self.shapes = list(map(_shape_of, params))
+        self.numels = list(map(Tensor.numel, params))
+        self.guard = _tensor_guard(params)
+        self.grad_guard = None  # alike the gradients last found to fit
+        self.states: tuple[Any, int, list[dict[str, Any]]] | None = None  # (mapping, its count, the state dicts)
+
+    def still_holds(self, params: list[Tensor]) -> bool:
+        """Whether params (these parameters, at the same addresses) still have the dtypes, shapes and contiguity
+        read, and the device (only through the guard: without one, the address stands for it)."""
+        if self.guard is not None:
+            return self.guard.check(*params)
+        return (list(map(_dtype_of, params)) == self.dtypes and list(map(_shape_of, params)) == self.shapes
+                and all(map(Tensor.is_contiguous, params)))
+
+
+def _grads_fit(seen: _ParamsSeen, grads: list[Tensor]) -> bool:
+    """Whether every gradient is strided, contiguous and of its parameter's dtype, shape and device (seen: the
+    parameters, as read). Read through map, list by list, unless the gradients are alike the ones last found to fit
+    (seen.grad_guard, one call): a training loop's gradients are new tensors at every step, but alike."""
+    guard = seen.grad_guard
+    if guard is not None and guard.check(*grads):
+        return True
+    if (list(map(_dtype_of, grads)) != seen.dtypes  # dtypes are singletons: compared by identity
+            or not _all_on(seen.device, grads) or set(map(_layout_of, grads)) != _STRIDED
+            or list(map(_shape_of, grads)) != seen.shapes or not all(map(Tensor.is_contiguous, grads))):
+        return False
+    seen.grad_guard = _tensor_guard(grads)
+    return True
+
+
+def _tensor_guard(tensors: list[Tensor]) -> Any:
+    """A check that other tensors are alike these, in one call: guard.check(*others) is True only if each is of the
+    same Python type, device (type and index), layout, dtype, shape, strides (so as contiguous) and requires_grad
+    as its counterpart here, whatever its address; the others must be as many, and distinct objects (False
+    otherwise). torch's TensorGuards, which torch.compile made to check its inputs at every call, in C++: this CPU,
+    about 100 ns a tensor, against 70-170 ns for each of those properties read through map. None where this
+    torch has no TensorGuards or one that fails _tensor_guards_serve; the caller then reads the properties.
+
+    TensorGuards ends the process on a strided nested tensor (its strides throw in C++); none reaches a guard: one
+    is made only of tensors whose shapes were read (a nested tensor's raise), checks only tensors that are these
+    very parameters (after the identity test) or gradients (a dense parameter's cannot be nested: the grad
+    setter and autograd refuse), and a tensor cannot become nested in place (set_data refuses)."""
+    if not _TENSOR_GUARDS_SERVE:
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except Exception:  # (a guard only saves reads: never a reason for a step to fail)
+        return None
+
+
+def _tensor_guards_serve() -> bool:
+    """Whether this torch's TensorGuards takes _tensor_guard's arguments and tells apart everything _tensor_guard
+    says it does (a private torch API: checked once, at import, on tiny CPU tensors, rather than trusted)."""
+    if _TensorGuards is None:
+        return False
+    try:
+        def zeros(*shape: int, **kwargs: Any) -> Tensor:  # (whatever default dtype and device were set)
+            return torch.zeros(*shape, **{"dtype": torch.float32, "device": "cpu", **kwargs})
+
+        def alike() -> list[Tensor]:
+            return [zeros(2, 3), torch.nn.Parameter(zeros(2, 2))]
+
+        guard = _TensorGuards(*alike(), dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        param = torch.nn.Parameter(zeros(2, 2))
+        others = [
+            [zeros(2, 3, dtype=torch.float64), param],  # dtype
+            [zeros(3, 2), param],  # shape, the same numel
+            [zeros(3, 2).t(), param],  # strides: not contiguous
+            [zeros(2, 3), torch.nn.Parameter(zeros(2, 2).t())],  # transposed, the same shape
+            [zeros(2, 3).to_sparse(), param],  # layout
+            [zeros(2, 3, device="meta"), param],  # device
+            [zeros(2, 3), zeros(2, 2)],  # Python type
+        ]
+        return guard.check(*alike()) is True and not any(guard.check(*other) for other in others)
+    except Exception:  # another signature, or anything else: not used
+        return False
+
+
+_TENSOR_GUARDS_SERVE = _tensor_guards_serve()  # (at import: no tracing or dispatch mode around it)
 
 
 def _check_storage_options(state_bits: Any, block_size: Any, min_8bit_size: Any) -> None:
