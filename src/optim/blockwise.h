@@ -26,7 +26,7 @@ namespace graphsafe::optim_detail {
 // first: every |x| below 2^-23 has the code of 2^-23 (that of 0), every |x| from 1 up that of the largest float
 // below 1 (an end of the map); the check below proves both too.
 inline constexpr int kBucketMantissaBits = 7;
-inline constexpr int kBucketShift = 23 - kBucketMantissaBits;  // a float's bits >> kBucketShift: its bucket's
+inline constexpr int kBucketShift = 23 - kBucketMantissaBits;  // bits >> kBucketShift: exponent and top mantissa
 inline constexpr int kSmallestBucketExponent = -23;           // |x| below 2^-23 always gets the code of 0
 inline constexpr int kBuckets = -kSmallestBucketExponent << kBucketMantissaBits;
 inline constexpr uint32_t kFirstBucketBits = static_cast<uint32_t>(127 + kSmallestBucketExponent) << 23;  // 2^-23
@@ -135,9 +135,10 @@ constexpr float code_threshold(const float* map, bool is_signed, int c) {
 // The code word of one bucket and sign (code_sum). Over the bucket's floats x, in the order of their key
 // (the low 16 bits of |x|'s bits for x >= 0, those bits flipped for x < 0, so that x grows with the key), the
 // code is `lower` up to the key `change` where it becomes lower + 1 (change = 2^16: it does not change in the
-// bucket). (lower << 16) + 2^16 - change + key then holds the code in bits 16-23 (below 2^24: no carry out). The
-// word is that number less what the key-forming operation adds to the key: the bucket's first bits for x >= 0
-// (key = clamped bits - first), and for x < 0, where the key is formed as ~clamped bits, 2^32 - 1 - (first + 2^16 - 1).
+// bucket). (lower << 16) + 2^16 - change + key then holds the code in bits 16-23 (below 2^24: no carry out).
+// code_sum adds the clamped float's bits for x >= 0 and their complement for x < 0, which are that key plus a
+// constant of the bucket and sign: the bucket's first bits (x >= 0), or 2^32 - first - 2^16 (x < 0). The word
+// is the number above less that constant, modulo 2^32.
 constexpr uint32_t code_word(int lower, uint32_t change, uint32_t bucket_first_bits, bool negative) {
   const uint32_t coded = (static_cast<uint32_t>(lower) << 16) + (0x10000u - change);
   return negative ? coded + bucket_first_bits + 0x10000u : coded - bucket_first_bits;  // modulo 2^32

@@ -323,10 +323,6 @@ __device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&va
   group_max(reduced, group, exchange);
 }
 
-// Requantising state j of one quantisation block after a pass, shared by both 8-bit loops: from the raw
-// magnitude agree_on_block gathered, the block's new absmax and scale; codes<N>(s, first) are state j's
-// codes of elements first .. first + N - 1 of the thread's s[][] (as quantize_value gives them; blockwise.h,
-// normalized, says why a block's values are NaN only where its absmax is, so one test serves the block).
 // The codes in byte 2 of four code sums (blockwise.h, code_sum; their byte 3 is 0), packed into one word, the first
 // in its lowest byte: three byte permutes on the GPU, instead of a shift and a byte move per code.
 __device__ uint32_t codes_of_sums(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
@@ -337,6 +333,10 @@ __device__ uint32_t codes_of_sums(uint32_t a, uint32_t b, uint32_t c, uint32_t d
 #endif
 }
 
+// Requantising state j of one quantisation block after a pass, shared by both 8-bit loops: from the raw
+// magnitude agree_on_block gathered, the block's new absmax and scale; codes<N>(s, first) are state j's
+// codes of elements first .. first + N - 1 of the thread's s[][] (as quantize_value gives them; blockwise.h,
+// normalized, says why a block's values are NaN only where its absmax is, so one test serves the block).
 struct Requantizer {
   int j;
   bool is_signed;
