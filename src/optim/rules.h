@@ -87,14 +87,15 @@ struct FastMath : ExactMath {};
 // so the divisors (in [eps, eps + 1.8e27], or infinite) must stay between FLT_MIN and 2^126. Its square root
 // takes a subnormal input (a second moment below 2^-126) as 0: every root is divided by a bias correction (or
 // by 1) and then added to eps, so that drops less than 2^-63 times the largest inverse bias correction,
-// 1 / sqrt(1 - beta2) (Adam, AdamW and AdEMAMix at their first step); that must stay below 2^-24 of eps, half
-// an ulp of the sum it is added to (eps >= 5.8e-11 with beta2 = 0.999, 5.8e-10 with beta2 = 0.99999).
+// 1 / sqrt(1 - beta2) (Adam, AdamW and AdEMAMix at their first step); that must stay below 2^-25 of eps, at most
+// half an ulp of the sum it is added to whatever eps's mantissa (eps >= 1.2e-10 with beta2 = 0.999, 1.2e-9 with
+// beta2 = 0.99999, 3.6e-12 without bias correction).
 GS_HD bool fast_math_applies(const OptimOptions& o) {
   if (!(o.eps >= 1.1754943508222875e-38 && o.eps <= 1e30)) return false;
   const bool bias_corrected = o.algorithm == OptimAlgorithm::Adam || o.algorithm == OptimAlgorithm::AdamW ||
                               o.algorithm == OptimAlgorithm::AdEMAMix;
   const double largest_inverse_correction = bias_corrected ? 1.0 / sqrt_d(1.0 - o.beta2) : 1.0;
-  return 1.0842021724855044e-19 * largest_inverse_correction <= o.eps * 5.9604644775390625e-08;  // 2^-63, 2^-24
+  return 1.0842021724855044e-19 * largest_inverse_correction <= o.eps * 2.9802322387695312e-08;  // 2^-63, 2^-25
 }
 
 // torch.lerp's formula (two forms, for accuracy near either end): self + weight * (end - self) below 0.5,
@@ -172,7 +173,8 @@ template <class Math>
 GS_HD void adam(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s, bool decoupled) {
   if (o.maximize) g = -g;
   // Decoupled decay multiplies by 1 - lr * weight_decay even without decay, where that is exactly 1 and p * 1 is p
-  // (a NaN p stays NaN): no test of weight_decay per element in the instruction-bound 8-bit kernels.
+  // (a NaN p stays NaN): no test of weight_decay per element in the instruction-bound 8-bit kernels. (Only an
+  // infinite lr tells: 1 - inf * 0 is NaN, so p becomes NaN where torch, which skips the multiply, gives +-inf.)
   if (decoupled) p = p * k.decay_factor;
   else if (o.weight_decay != 0.0) g = g + k.weight_decay * p;
   const float m = lerp<Math>(s[0], g, k.one_minus_beta1);

@@ -778,7 +778,9 @@ def _tensor_guard(tensors: list[Tensor]) -> Any:
     is made only of tensors whose shapes were read (a nested tensor's raise), checks only tensors that are these
     very parameters (after the identity test) or gradients (a dense parameter's cannot be nested: the grad
     setter and autograd refuse), and a tensor cannot become nested in place (set_data refuses)."""
-    if not _TENSOR_GUARDS_SERVE:
+    # Strided tensors only: building a guard of a sparse CSR/BSR tensor also ends the process (its strides throw).
+    # The callers pass none today; this check keeps that from resting on their order of checks.
+    if not _TENSOR_GUARDS_SERVE or set(map(_layout_of, tensors)) != _STRIDED:
         return None
     try:
         return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
