@@ -30,6 +30,8 @@ CONFIGS = {
     "SGD": ("SGD", {}),
     "AdamW": ("AdamW", {}),
     "AdamW-8bit": ("AdamW", dict(state_bits=8, min_8bit_size=0, block_size=32)),
+    # 8-bit states for the 36- and 20-element parameters, fp32 for the 10-element one: two core calls a step
+    "AdamW-8bit-mixed": ("AdamW", dict(state_bits=8, min_8bit_size=20, block_size=32)),
 }
 
 
@@ -115,6 +117,11 @@ CHANGES = {
         lambda opt, ps, gen: opt.param_groups[0]["params"].__setitem__(
             1, torch.nn.Parameter(ps[1].detach().clone()).requires_grad_()), None),
     # the gradients
+    # the storage options (_ParamsSeen.kinds: the split into core calls is kept per option values); the states
+    # are converted by the next step, the one after is served at once
+    "min_8bit_size raised": (lambda opt, ps, gen: opt.param_groups[0].__setitem__("min_8bit_size", 40), False),
+    "min_8bit_size lowered": (lambda opt, ps, gen: opt.param_groups[0].__setitem__("min_8bit_size", 0), False),
+    "state_bits set to 16": (lambda opt, ps, gen: opt.param_groups[0].__setitem__("state_bits", 16), False),
     "grad set to None": (lambda opt, ps, gen: setattr(ps[1], "grad", None), True),
     "grad made non-contiguous": (
         lambda opt, ps, gen: setattr(ps[3], "grad", ps[3].grad.t().contiguous().t()), None),

@@ -399,24 +399,18 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         seen = self._params_checked_once(group, params, param_ptrs)
         if seen is None or not _grads_fit(seen, grads):
             return None
-        dtypes, numels, shapes = seen.dtypes, seen.numels, seen.shapes
+        numels, shapes = seen.numels, seen.shapes
         states = self._states_looked_up(seen)
-        state_bits = group["state_bits"]
-        if state_bits == 8:  # 8 bits from min_8bit_size elements, fp32 below
-            min_8bit_size = group["min_8bit_size"]
-            bits = [_storage_bits(8, min_8bit_size, n) for n in numels]
+        # One core call per (dtype, storage bits), in the order the kinds first appear (8 bits from min_8bit_size
+        # elements under state_bits=8, fp32 below).
+        _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
+        kinds = seen.kinds(group["state_bits"], group["min_8bit_size"])
+        columns = (params, grads, numels, param_ptrs, shapes, states)
+        if len(kinds) == 1:
+            buckets = {kinds[0][0]: columns}
         else:
-            bits = None  # all state_bits
-        if len(set(dtypes)) == 1 and (bits is None or len(set(bits)) == 1):
-            buckets = {(dtypes[0], bits[0] if bits else int(state_bits)):
-                       (params, grads, numels, param_ptrs, shapes, states)}
-        else:  # one core call per (dtype, storage bits), in the order the kinds first appear
-            buckets = {}
-            for entry in zip(params, grads, numels, param_ptrs, shapes, states,
-                             zip(dtypes, bits or repeat(int(state_bits)))):
-                bucket = buckets.setdefault(entry[-1], ([], [], [], [], [], []))
-                for column, value in zip(bucket, entry):
-                    column.append(value)
+            buckets = {kind: tuple(list(map(column.__getitem__, indices)) for column in columns)
+                       for kind, indices in kinds}
         issues = []
         for (dtype, kind_bits), bucket in buckets.items():
             issue = self._prepare_kind_at_once(group, seen.device, dtype, kind_bits, *bucket)
@@ -731,7 +725,8 @@ class _ParamsSeen:
     and what later steps reuse while they stay as read: the gradients' guard (_grads_fit) and the state dicts
     looked up (_states_looked_up)."""
 
-    __slots__ = ("params", "ptrs", "device", "dtypes", "shapes", "numels", "guard", "grad_guard", "states")
+    __slots__ = ("params", "ptrs", "device", "dtypes", "shapes", "numels", "guard", "grad_guard", "states",
+                 "kinds_by_storage")
 
     def __init__(self, params: list[Tensor], ptrs: list[int], device: torch.device) -> None:
         self.params, self.ptrs, self.device = list(params), ptrs, device
@@ -741,6 +736,21 @@ class _ParamsSeen:
         self.guard = _tensor_guard(params)
         self.grad_guard = None  # alike the gradients last found to fit
         self.states: tuple[Any, int, list[dict[str, Any]]] | None = None  # (mapping, its count, the state dicts)
+        self.kinds_by_storage: dict[tuple[Any, Any], list[tuple[tuple[torch.dtype, int], list[int]]]] = {}
+
+    def kinds(self, state_bits: int, min_8bit_size: int) -> list[tuple[tuple[torch.dtype, int], list[int]]]:
+        """The parameters' kinds, (dtype, storage bits), in the order they first appear, each with the positions of
+        its parameters: what one core call takes. Worked out once per storage option values (valid ones,
+        _check_storage_options): they depend on nothing else but the dtypes and element counts read here. (A
+        Python loop over the parameters, about 1 us each, where a group mixes kinds.)"""
+        key = (state_bits, min_8bit_size)
+        kinds = self.kinds_by_storage.get(key)
+        if kinds is None:
+            positions: dict[tuple[torch.dtype, int], list[int]] = {}
+            for i, (dtype, numel) in enumerate(zip(self.dtypes, self.numels)):
+                positions.setdefault((dtype, _storage_bits(state_bits, min_8bit_size, numel)), []).append(i)
+            kinds = self.kinds_by_storage[key] = list(positions.items())
+        return kinds
 
     def still_holds(self, params: list[Tensor]) -> bool:
         """Whether params (these parameters, at the same addresses) still have the dtypes, shapes and contiguity
