@@ -249,13 +249,16 @@ __device__ void for_each_element(const Table& table, const BlockWork& w, Body bo
 
 // ---- 8-bit states ----
 
-// The two maps with their code words (blockwise.h): in constant memory for the standalone kernels, and
+// The two maps with their code words (blockwise.h), in global memory: read by the standalone kernels, and
 // copied into each block's shared memory for the step (code_sum and dequantize_value read them at
 // data-dependent positions), there without the unsigned map's unused half (which would take the block past
-// 48 KB of static shared memory).
-__constant__ QuantizationMap kDeviceMaps[2] = {make_quantization_map(false), make_quantization_map(true)};
+// 48 KB of static shared memory). Global, not constant, memory: a warp's reads at 32 different addresses are
+// one access there, 32 in turn in the constant cache. Every block copies the maps at the start of a step; on
+// the H200, 8-bit AdamW at 64M took 0.313 ms (fp32 parameters) and 0.232 ms (bf16) copying them from here in
+// 16-byte pieces, against 0.333 and 0.253 ms copying them word by word from constant memory (same lease).
+__device__ QuantizationMap kDeviceMaps[2] = {kUnsignedMap, kSignedMap};
 
-struct SharedMaps {
+struct alignas(16) SharedMaps {
   float unsigned_value[256];
   uint32_t unsigned_words[kBuckets];
   float signed_value[256];
@@ -263,26 +266,51 @@ struct SharedMaps {
   __device__ const float* value(bool is_signed) const { return is_signed ? signed_value : unsigned_value; }
   __device__ const uint32_t* words(bool is_signed) const { return is_signed ? signed_words : unsigned_words; }
 };
+static_assert(sizeof(SharedMaps) % 16 == 0, "the maps are copied in 16-byte pieces");
 
-// Called by every thread of the block.
+constexpr SharedMaps make_shared_maps(const QuantizationMap& unsigned_map, const QuantizationMap& signed_map) {
+  SharedMaps m{};
+  for (int i = 0; i < 256; ++i) {
+    m.unsigned_value[i] = unsigned_map.value[i];
+    m.signed_value[i] = signed_map.value[i];
+  }
+  for (int i = 0; i < kBuckets; ++i) m.unsigned_words[i] = unsigned_map.code_word[i];
+  for (int i = 0; i < 2 * kBuckets; ++i) m.signed_words[i] = signed_map.code_word[i];
+  return m;
+}
+
+// What each block copies into its shared memory, laid out as there: one flat copy.
+__device__ SharedMaps kSharedMapsImage = make_shared_maps(kUnsignedMap, kSignedMap);
+
+// Called by every thread of the block (Threads of them). Each thread loads all its pieces before storing any,
+// so the copy waits for the memory once, not once per piece.
+template <int Threads>
 __device__ const SharedMaps* load_maps_to_shared() {
   __shared__ SharedMaps maps;
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-    maps.unsigned_value[i] = kDeviceMaps[0].value[i];
-    maps.signed_value[i] = kDeviceMaps[1].value[i];
-  }
-  for (int i = threadIdx.x; i < kBuckets; i += blockDim.x) maps.unsigned_words[i] = kDeviceMaps[0].code_word[i];
-  for (int i = threadIdx.x; i < 2 * kBuckets; i += blockDim.x) maps.signed_words[i] = kDeviceMaps[1].code_word[i];
+  using Piece = Pack<uint32_t, 4>;
+  constexpr int kPieces = int(sizeof(SharedMaps) / sizeof(Piece)), kPerThread = (kPieces + Threads - 1) / Threads;
+  const Piece* from = reinterpret_cast<const Piece*>(&kSharedMapsImage);
+  Piece* to = reinterpret_cast<Piece*>(&maps);
+  Piece piece[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k)
+    if (threadIdx.x + k * Threads < kPieces) piece[k] = from[threadIdx.x + k * Threads];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k)
+    if (threadIdx.x + k * Threads < kPieces) to[threadIdx.x + k * Threads] = piece[k];
   __syncthreads();
   return &maps;
 }
+
+// The most warps an 8-bit kernel's block has (QuantizedElementwiseThreads): the size of the exchange arrays below.
+constexpr int kMaxWarps = 512 / 32;
 
 // Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
 // share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
 // barriers per pass whatever N is (within a warp: one REDUX per value, or shuffles below 32). Every thread of the
 // block calls it; all get their group's results. Values are raw magnitudes from absmax_step (or 0 or 1).
 template <int N>
-__device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThreads / 32]) {
+__device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kMaxWarps]) {
   if (group >= 32) {  // a whole warp: absmax_combine is an unsigned max of the bits, one REDUX per value
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = bits_float(__reduce_max_sync(0xffffffffu, float_bits(v[k])));
@@ -312,7 +340,7 @@ __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kThread
 // valid elements (a raw magnitude for absmax_finish).
 template <int N, int V>  // N: the states + 1
 __device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&valid)[V], int group,
-                               float (&exchange)[N][kThreads / 32], float (&reduced)[N]) {
+                               float (&exchange)[N][kMaxWarps], float (&reduced)[N]) {
   reduced[0] = any ? 1.0f : 0.0f;
 #pragma unroll
   for (int j = 0; j + 1 < N; ++j) {
@@ -417,19 +445,19 @@ __device__ bool pack_aligned(const T* p) {
   return aligned(p, sizeof(T) * N < 16 ? int(sizeof(T) * N) : 16);
 }
 
-// The 8-bit counterpart of for_each_element: each thread owns V consecutive elements per pass of
-// kThreads * V; the block_size / V threads of one quantisation block dequantise their states, run body
+// The 8-bit counterpart of for_each_element: each of the block's Threads threads owns V consecutive elements per
+// pass of Threads * V; the block_size / V threads of one quantisation block dequantise their states, run body
 // (false: skipped, p and s unchanged), and, with Writes, store the updated elements' parameters and, when
 // any element of the block was updated, agree on the new absmax and requantise. An all-skipped block keeps
 // codes and absmax bit-identical. Writing passes take V = 8, so a 256-element block is one warp and its
 // absmax needs shuffles only; the measuring pass (Writes false, LAMB/LARS pass 1) takes V = 4, layout.h's
 // norm order. Every thread runs every pass (group reductions wider than a warp need them all); elements
 // past the tensor's end take no part.
-template <class T, int States, bool Writes, class Body, class Table>
+template <class T, int States, bool Writes, int Threads, class Body, class Table>
 __device__ void for_each_quantized_element(const OptimOptions& o, const Table& table, const BlockWork& w,
                                            int block_size, const SharedMaps* maps, Body body) {
   constexpr int V = Writes ? 8 : kNormVector;
-  __shared__ float exchange[States + 1][kThreads / 32];
+  __shared__ float exchange[States + 1][kMaxWarps];
   T* param = static_cast<T*>(table.param[w.tensor]);
   const T* grad = static_cast<const T*>(table.grad[w.tensor]);
   const bool wide = pack_aligned<T, V>(param) && pack_aligned<T, V>(grad);
@@ -438,7 +466,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
   for (int j = 0; j < States; ++j) wide_codes = wide_codes && pack_aligned<uint8_t, V>(static_cast<uint8_t*>(table.state[j][w.tensor]));
   const int group = block_size / V;
   const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
-  for (int64_t pass = w.begin; pass < w.end; pass += kThreads * V) {
+  for (int64_t pass = w.begin; pass < w.end; pass += Threads * V) {
     const int64_t base = pass + int64_t(threadIdx.x) * V;
     const int64_t quant_block = base >> block_shift;
     const bool full = base + V <= w.end;
@@ -525,17 +553,18 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
 // - a block's absmax and "any element updated" are one warp reduction each (group_max: REDUX), larger blocks
 //   combining their warps through shared memory;
 // - no per-element bounds tests (the chunk is whole).
-template <class T, int States, class Body, class Table>
+template <class T, int States, int Threads, class Body, class Table>
 __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o, const Table& table,
                                                            const BlockWork& w, int block_size,
                                                            const SharedMaps* maps, Body body) {
   constexpr int kPiece = 16 / int(sizeof(T)), kPieces = 8 / kPiece, kPieceStride = 32 * kPiece;
-  __shared__ float exchange[States + 1][kThreads / 32];
+  static_assert(kChunkElements % (Threads * 8) == 0, "passes cover a chunk exactly");
+  __shared__ float exchange[States + 1][kMaxWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_block = block_size / 256;
   const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
   T* param = static_cast<T*>(table.param[w.tensor]) + w.begin;
   const T* grad = static_cast<const T*>(table.grad[w.tensor]) + w.begin;
-  for (int pass = 0; pass < int(kChunkElements); pass += kThreads * 8) {
+  for (int pass = 0; pass < int(kChunkElements); pass += Threads * 8) {
     const int warp_first = pass + warp * 256, first = warp_first + lane * kPiece;  // piece k at first + k * kPieceStride
     const int64_t quant_block = (w.begin + warp_first) >> block_shift;
     float g[8], p[8], s[8][4] = {};
@@ -613,18 +642,19 @@ __device__ bool whole_chunk_path(const Table& table, const BlockWork& w, int blo
 }
 
 // The element loop of the kernels below, for fp32 (Bits 32), bf16 (Bits 16) or 8-bit (Bits 8) states: body(g, p, s)
-// returns whether it updated the element; with Writes the updates are stored, without, nothing is.
-template <class T, int States, int Bits, bool Writes, class Body, class Table>
+// returns whether it updated the element; with Writes the updates are stored, without, nothing is. Threads: the
+// block's (only the 8-bit loops take other than kThreads).
+template <class T, int States, int Bits, bool Writes, int Threads = kThreads, class Body, class Table>
 __device__ void for_each(const OptimOptions& o, const Table& table, const BlockWork& w, int block_size,
                          const SharedMaps* maps, Body body) {
   if constexpr (Bits == 8) {
     if constexpr (Writes) {
       if (whole_chunk_path<T, States>(table, w, block_size)) {
-        for_each_quantized_element_of_whole_chunk<T, States>(o, table, w, block_size, maps, body);
+        for_each_quantized_element_of_whole_chunk<T, States, Threads>(o, table, w, block_size, maps, body);
         return;
       }
     }
-    for_each_quantized_element<T, States, Writes>(o, table, w, block_size, maps, body);
+    for_each_quantized_element<T, States, Writes, Threads>(o, table, w, block_size, maps, body);
   } else {
     for_each_element<T, StateType<Bits>, States>(table, w, [&](float g, float& p, float* s) { return body(g, p, s) && Writes; });
   }
@@ -647,10 +677,17 @@ __device__ OptimOptions with_known_options(const OptimOptions& o) {
 // 4 blocks spilled 340 bytes per thread in AdamW). The fp32- and bf16-state kernels are capped at 5 blocks (46 registers).
 // The element-wise 8-bit kernels with FastMath fit 4 blocks (64 registers, no spill with 2 states, 4 bytes with
 // 3): on the H200 AdamW at 64M went from 0.377 to 0.357 ms (fp32) and 0.362 to 0.336 ms (bf16) in one lease.
+// The FastMath ones run blocks of 512 threads, 2 per SM (the same 1024 threads, 64 registers each): each block
+// holds a copy of the maps (37 KB of shared memory), and 2 copies per SM instead of 4 likely leave the L1 cache
+// more room for the loads in flight. On the H200, 8-bit AdamW at 64M (fp32 parameters) took 0.324 ms against 0.335 ms
+// with 4 blocks of 256 (bf16: 0.232 and 0.236 ms; same lease).
 template <int Bits>
 constexpr int MinBlocksPerSM = Bits == 8 ? 3 : 5;
 template <class Math>
-constexpr int QuantizedElementwiseBlocksPerSM = std::is_same_v<Math, FastMath> ? 4 : MinBlocksPerSM<8>;
+constexpr int QuantizedElementwiseThreads = std::is_same_v<Math, FastMath> ? 512 : kThreads;
+template <class Math>
+constexpr int QuantizedElementwiseBlocksPerSM = std::is_same_v<Math, FastMath> ? 2 : MinBlocksPerSM<8>;
+static_assert(QuantizedElementwiseThreads<FastMath> / 32 <= kMaxWarps, "the exchange arrays hold every warp");
 
 // Element-wise algorithms with fp32 or bf16 states (Bits 32 or 16): memory-bound, so few registers matter more
 // than branches (rules.h, elementwise_step switches per element).
@@ -670,22 +707,51 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
   finish_steps(table);
 }
 
+// Asks the L2 cache to fetch bytes [p, p + bytes) (rounded inward to 16-byte boundaries, as the bulk prefetch
+// needs) without waiting for them: cp.async.bulk.prefetch (Hopper), one instruction for the whole range, and no
+// registers held while the bytes arrive.
+__device__ void prefetch_to_l2(const void* p, int64_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t first = (a + 15) & ~uintptr_t(15), last = (a + uintptr_t(bytes)) & ~uintptr_t(15);
+#if defined(__CUDA_ARCH__)
+  if (last > first) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first), "r"(uint32_t(last - first)) : "memory");
+#else
+  (void)first, (void)last;  // the emulated kernels (tests/cpp/emulation) have no cache to warm
+#endif
+}
+
+// The inputs of chunk `block` of the launch (its gradients, parameters and codes) into L2, if it exists.
+template <class T, int States, class Table>
+__device__ void prefetch_chunk(const Table& table, int64_t block, int64_t total_blocks) {
+  if (block >= total_blocks) return;
+  const BlockWork w = block_work(table, block);
+  const int64_t n = w.end - w.begin;
+  prefetch_to_l2(static_cast<const T*>(table.grad[w.tensor]) + w.begin, n * int64_t(sizeof(T)));
+  prefetch_to_l2(static_cast<const T*>(table.param[w.tensor]) + w.begin, n * int64_t(sizeof(T)));
+#pragma unroll
+  for (int j = 0; j < States; ++j) prefetch_to_l2(static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin, n);
+}
+
 // Element-wise algorithm A with 8-bit states: instruction-bound, so one kernel per algorithm (its registers
 // are allocated for its own loop alone: one kernel for all algorithms of a state count spilled), with the
 // options that A and States imply folded into it and no branch between elements; and, where eps allows,
 // FastMath's square roots and quotients (rules.h).
 template <class T, int States, OptimAlgorithm A, class Math>
-__global__ void __launch_bounds__(kThreads, QuantizedElementwiseBlocksPerSM<Math>)
+__global__ void __launch_bounds__(QuantizedElementwiseThreads<Math>, QuantizedElementwiseBlocksPerSM<Math>)
     quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable<States, 8> table, int64_t total_blocks,
                                  int block_size) {
   __shared__ Coefficients k;
-  const SharedMaps* maps = load_maps_to_shared();
+  const SharedMaps* maps = load_maps_to_shared<QuantizedElementwiseThreads<Math>>();
   const OptimOptions known = with_known_options<A, States>(o);
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
+    // The block's next chunk on its way into L2 while this one is worked on: on the H200, 8-bit AdamW at 64M
+    // (fp32 parameters) took 0.313 instead of 0.324 ms (bf16 parameters: no change; two chunks ahead was slower).
+    if (threadIdx.x == 0) prefetch_chunk<T, States>(table, block_ + gridDim.x, total_blocks);
     share_coefficients(known, lr, table, w.tensor, current, k);
     const Coefficients mine = k;  // in registers (the rule's few): not re-read from shared per element
-    for_each<T, States, 8, true>(known, table, w, block_size, maps, [&](float g, float& p, float* s) {
+    for_each<T, States, 8, true, QuantizedElementwiseThreads<Math>>(known, table, w, block_size, maps,
+                                                                    [&](float g, float& p, float* s) {
       if (skipped(known, g)) return false;
       elementwise_rule<A, Math>(known, mine, g, p, s);
       return true;
@@ -719,7 +785,7 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
   const SharedMaps* maps = nullptr;
-  if constexpr (Bits == 8) maps = load_maps_to_shared();
+  if constexpr (Bits == 8) maps = load_maps_to_shared<kThreads>();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
@@ -765,7 +831,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(O
                                                         int64_t total_blocks, int block_size, const float* factors) {
   __shared__ Coefficients k;
   const SharedMaps* maps = nullptr;
-  if constexpr (Bits == 8) maps = load_maps_to_shared();
+  if constexpr (Bits == 8) maps = load_maps_to_shared<kThreads>();
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     share_coefficients(o, lr, table, w.tensor, current, k);
@@ -809,7 +875,7 @@ void increment_steps(const std::vector<float*>& steps, cudaStream_t stream) {
 // others have finished all their chunks would run its own alone at the end.
 // The residency is queried once per kernel and device (the queries cost more than a launch).
 template <class Kernel>
-int64_t grid_for(Kernel kernel, int64_t blocks) {
+int64_t grid_for(Kernel kernel, int64_t blocks, int threads = kThreads) {
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, int64_t> resident;  // (kernel, device) -> blocks at once
   int device = 0;
@@ -820,7 +886,7 @@ int64_t grid_for(Kernel kernel, int64_t blocks) {
   if (it == resident.end()) {  // entered only once both queries succeeded
     int sms = 0, per_sm = 0;
     GS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    GS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    GS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
     it = resident.emplace(key, int64_t(sms) * std::max(per_sm, 1)).first;
   }
   return std::min(blocks, it->second);
@@ -847,12 +913,15 @@ void launch_table(const OptimStepArgs& a, const TensorTable<States, Bits>& table
     if constexpr (Bits == 8) {
       with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
         constexpr OptimAlgorithm A = decltype(algorithm)::value;
-        auto launch = [&](auto kernel) { GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b); };
+        auto launch = [&](auto kernel, int threads) {
+          GS_LAUNCH(kernel, grid_for(kernel, blocks, threads), threads, stream, o, a.lr, table, blocks, b);
+        };
+        constexpr int kFast = QuantizedElementwiseThreads<FastMath>, kExact = QuantizedElementwiseThreads<ExactMath>;
         if constexpr (takes_roots(A)) {
-          if (fast_math_applies(o)) launch(&quantized_elementwise_kernel<T, States, A, FastMath>);
-          else launch(&quantized_elementwise_kernel<T, States, A, ExactMath>);
+          if (fast_math_applies(o)) launch(&quantized_elementwise_kernel<T, States, A, FastMath>, kFast);
+          else launch(&quantized_elementwise_kernel<T, States, A, ExactMath>, kExact);
         } else {
-          launch(&quantized_elementwise_kernel<T, States, A, ExactMath>);  // no roots or quotients to choose for
+          launch(&quantized_elementwise_kernel<T, States, A, ExactMath>, kExact);  // no roots or quotients to choose for
         }
       });
     } else {
