@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Tuning the 8-bit kernels on the GPU machine: builds the Python module once per variant (CUDA compile
-# definitions, e.g. "t512:-DGRAPHSAFE_OPTIM8_FAST_THREADS=512"), side by side, then times the 8-bit rows of
-# the optim bench (tools/time_optim8.py) for each variant in turn, ROUNDS times alternating. Logs go to $OUT.
-#   bash tools/optim8_variants.sh "base:" "pf1:-DGRAPHSAFE_OPTIM8_PREFETCH=1" ...
+# Tuning the 8-bit kernels on the GPU machine, in one call: builds the Python module once per variant, side by
+# side, then times the 8-bit rows of the optim bench (tools/time_optim8.py) for each variant in turn, ROUNDS
+# times alternating. A variant is a name and CUDA compile definitions that an experiment in the kernels reads
+# (say a macro choosing between two versions of a loop; the code on main has none). Logs go to $OUT.
+#   bash tools/optim8_variants.sh "base:" "wide:-DEXPERIMENT_WIDE_LOOP=1" ...
+# (The seventh session's comparison in docs/benchmarks.md was made this way.)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-2}
