@@ -348,8 +348,8 @@ GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float
 }
 
 // Block sizes both backends support: powers of two from 32 to 1024 (a block is covered by 4 to 128 CUDA
-// threads of 8 elements each, inside one 2048-element pass of a thread block; 8 to 256 threads of 4 in the
-// LAMB/LARS measuring pass).
+// threads of 8 elements each, inside one pass of a thread block over 2048 or 4096 elements; 8 to 256 threads of 4
+// in the LAMB/LARS measuring pass).
 GS_HD bool valid_block_size(int64_t b) { return b >= 32 && b <= 1024 && (b & (b - 1)) == 0; }
 
 GS_HD int64_t block_count(int64_t numel, int64_t block_size) { return (numel + block_size - 1) / block_size; }
