@@ -757,8 +757,13 @@ class _ParamsSeen:
         read, and the device (only through the guard: without one, the address stands for it)."""
         if self.guard is not None:
             return self.guard.check(*params)
-        return (list(map(_dtype_of, params)) == self.dtypes and list(map(_shape_of, params)) == self.shapes
-                and all(map(Tensor.is_contiguous, params)))
+        return self.same_form(params)
+
+    def same_form(self, tensors: list[Tensor]) -> bool:
+        """Whether tensors (strided ones, one per parameter) have the parameters' dtypes and shapes and are
+        contiguous, read through map list by list."""
+        return (list(map(_dtype_of, tensors)) == self.dtypes  # dtypes are singletons: compared by identity
+                and list(map(_shape_of, tensors)) == self.shapes and all(map(Tensor.is_contiguous, tensors)))
 
 
 def _grads_fit(seen: _ParamsSeen, grads: list[Tensor]) -> bool:
@@ -768,9 +773,7 @@ def _grads_fit(seen: _ParamsSeen, grads: list[Tensor]) -> bool:
     guard = seen.grad_guard
     if guard is not None and guard.check(*grads):
         return True
-    if (list(map(_dtype_of, grads)) != seen.dtypes  # dtypes are singletons: compared by identity
-            or not _all_on(seen.device, grads) or set(map(_layout_of, grads)) != _STRIDED
-            or list(map(_shape_of, grads)) != seen.shapes or not all(map(Tensor.is_contiguous, grads))):
+    if not (_all_on(seen.device, grads) and set(map(_layout_of, grads)) == _STRIDED and seen.same_form(grads)):
         return False
     seen.grad_guard = _tensor_guard(grads)
     return True
