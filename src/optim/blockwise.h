@@ -264,14 +264,15 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   }
 }
 
-// reference_code's code of x, in constant time (code_of): quantize_number for an x that is not NaN;
-// quantize_value also gives NaN the code of 0.
-GS_HD uint8_t quantize_number(const QuantizationMap& m, bool is_signed, float x) {
-  return is_signed ? code_of<true>(m.code_word, x) : code_of<false>(m.code_word, x);
+// reference_code's code of x, in constant time, from a map's code words (code_of; NaN gets the code of 0): the
+// host's maps, or the CUDA backend's copy of them (cuda.cu, SharedMaps).
+GS_HD uint8_t quantize_value(const uint32_t* code_words, bool is_signed, float x) {
+  if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
+  return is_signed ? code_of<true>(code_words, x) : code_of<false>(code_words, x);
 }
 
 GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) {
-  return x == x ? quantize_number(m, is_signed, x) : static_cast<uint8_t>(zero_code(is_signed));
+  return quantize_value(m.code_word, is_signed, x);
 }
 
 // States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
@@ -333,17 +334,17 @@ GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absma
   return dequantize_value(m.value, code, absmax);
 }
 
-// One quantisation block of n values in one thread: writes their codes, returns the block's absmax. The CPU
-// step and the CPU's standalone quantisation use it; CUDA's standalone quantize_kernel runs the same loop
-// (tests/cpp/emulation compares the two bit for bit), and the CUDA step shares a block among threads
+// One quantisation block of n values in one thread (a map's code words): writes their codes, returns the
+// block's absmax. The CPU step and both backends' standalone quantisation use it (tests/cpp/emulation compares
+// the two bit for bit), and the CUDA step shares a block among threads
 // (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish and code_sum
 // (cuda.cu's Requantizer: the code of 0 for a whole NaN block, as quantize_value gives it per value).
-GS_HD float quantize_block(const QuantizationMap& m, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
+GS_HD float quantize_block(const uint32_t* code_words, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
   float raw = 0.0f;
   for (int64_t i = 0; i < n; ++i) raw = absmax_step(raw, values[i]);
   const float absmax = absmax_finish(raw);
   const BlockScale block = block_scale(absmax);
-  for (int64_t i = 0; i < n; ++i) codes[i] = quantize_value(m, is_signed, normalized(values[i], block));
+  for (int64_t i = 0; i < n; ++i) codes[i] = quantize_value(code_words, is_signed, normalized(values[i], block));
   return absmax;
 }
 

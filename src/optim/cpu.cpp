@@ -98,7 +98,8 @@ void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block
   if (!Writes || !any_updated) return;
   for (int j = 0; j < States; ++j) {
     const bool is_signed = state_is_signed(o, j);
-    t.absmax[j][b] = quantize_block(host_quantization_map(is_signed), is_signed, values[j], end - begin, t.codes[j] + begin);
+    t.absmax[j][b] = quantize_block(host_quantization_map(is_signed).code_word, is_signed, values[j], end - begin,
+                                    t.codes[j] + begin);
   }
 }
 
@@ -229,7 +230,7 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
   const QuantizationMap& map = host_quantization_map(is_signed);
   for_each_index(block_count(numel, block_size), numel, [&](int64_t b) {
     const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
-    absmax[b] = quantize_block(map, is_signed, x + begin, end - begin, codes + begin);
+    absmax[b] = quantize_block(map.code_word, is_signed, x + begin, end - begin, codes + begin);
   });
 }
 

@@ -249,15 +249,9 @@ __device__ void for_each_element(const Table& table, const BlockWork& w, Body bo
 
 // ---- 8-bit states ----
 
-// The two maps with their code words (blockwise.h), in global memory: read by the standalone kernels, and
-// copied into each block's shared memory for the step (code_sum and dequantize_value read them at
-// data-dependent positions), there without the unsigned map's unused half (which would take the block past
-// 48 KB of static shared memory). Global, not constant, memory: a warp's reads at 32 different addresses are
-// one access there, 32 in turn in the constant cache. Every block copies the maps at the start of a step; on
-// the H200, 8-bit AdamW at 64M took 0.313 ms (fp32 parameters) and 0.232 ms (bf16) copying them from here in
-// 16-byte pieces, against 0.333 and 0.253 ms copying them word by word from constant memory (same lease).
-__device__ QuantizationMap kDeviceMaps[2] = {kUnsignedMap, kSignedMap};
-
+// The two maps with their code words (blockwise.h), as each block of the step keeps them in shared memory
+// (code_sum and dequantize_value read them at data-dependent positions): without the unsigned map's unused half
+// (which would take the block past 48 KB of static shared memory).
 struct alignas(16) SharedMaps {
   float unsigned_value[256];
   uint32_t unsigned_words[kBuckets];
@@ -279,7 +273,11 @@ constexpr SharedMaps make_shared_maps(const QuantizationMap& unsigned_map, const
   return m;
 }
 
-// What each block copies into its shared memory, laid out as there: one flat copy.
+// The maps on the device, laid out as a block keeps them: each block of the step copies them into its shared
+// memory in one flat copy, and the standalone kernels read them here. Global, not constant, memory: a warp's
+// reads at 32 different addresses are one access there, 32 in turn in the constant cache. On the H200, 8-bit
+// AdamW at 64M took 0.313 ms (fp32 parameters) and 0.232 ms (bf16) copying them from here in 16-byte pieces,
+// against 0.333 and 0.253 ms copying them word by word from constant memory (same lease).
 __device__ SharedMaps kSharedMapsImage = make_shared_maps(kUnsignedMap, kSignedMap);
 
 // Called by every thread of the block (Threads of them). Each thread loads all its pieces before storing any,
@@ -1008,25 +1006,19 @@ void run_typed(const OptimStepArgs& a, const OptimTensor* tensors, int count, fl
 }
 
 // Standalone quantisation (state_dict conversions, graphsafe.ops): one thread per quantisation block, the
-// same rules as the fused step.
+// CPU's quantize_block (the same rules as the fused step).
 __global__ void quantize_kernel(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
                                 float* absmax) {
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= block_count(numel, block_size)) return;
   const int64_t begin = b * block_size, end = min(numel, begin + block_size);
-  float scale = 0.0f;
-  for (int64_t i = begin; i < end; ++i) scale = absmax_step(scale, x[i]);
-  scale = absmax_finish(scale);
-  absmax[b] = scale;
-  const QuantizationMap& map = kDeviceMaps[is_signed ? 1 : 0];
-  const BlockScale block = block_scale(scale);
-  for (int64_t i = begin; i < end; ++i) codes[i] = quantize_value(map, is_signed, normalized(x[i], block));
+  absmax[b] = quantize_block(kSharedMapsImage.words(is_signed), is_signed, x + begin, end - begin, codes + begin);
 }
 
 __global__ void dequantize_kernel(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
                                   bool is_signed, float* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < numel) out[i] = dequantize_value(kDeviceMaps[is_signed ? 1 : 0], codes[i], absmax[i / block_size]);
+  if (i < numel) out[i] = dequantize_value(kSharedMapsImage.value(is_signed), codes[i], absmax[i / block_size]);
 }
 
 void check_block_size(const char* what, int block_size) {
