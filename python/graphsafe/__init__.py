@@ -1,5 +1,7 @@
 """graphsafe: deterministic, CUDA-graph-capturable training steps for embedding-heavy models."""
 
+import importlib
+
 from . import ops, nn, optim
 from ._errors import DeviceIndexError, check_errors
 from ._C import cuda_available as _cuda_backend_built
@@ -14,13 +16,11 @@ def cuda_backend_built() -> bool:
 
 
 def __getattr__(name: str):
-    # graphsafe.graph (and compile_step) import torch.fx's tracing machinery (~0.4 s): loaded on first use.
-    if name == "graph":
-        from . import graph
-
-        return graph
-    if name == "compile_step":
-        from .graph import compile_step
-
-        return compile_step
+    # graphsafe.graph (and compile_step) import torch.fx's tracing machinery: loaded on first use. Imported by
+    # importlib, never by `from . import graph`: that form asks this module for the attribute first, which calls
+    # this function again, without end. Once imported, the submodule is an attribute of this module and this
+    # function is not called for it again.
+    if name in ("graph", "compile_step"):
+        graph = importlib.import_module(f"{__name__}.graph")
+        return graph if name == "graph" else graph.compile_step
     raise AttributeError(f"module 'graphsafe' has no attribute {name!r}")

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from . import _C
 from ._errors import raise_pending_device_error
+from ._tensor_checks import require_readable
 
 __all__ = ["embedding_backward", "embedding", "quantize_blockwise", "dequantize_blockwise", "quantization_map"]
 
@@ -75,6 +76,8 @@ def embedding_backward(
     of the sum and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
     """
     _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    require_readable("embedding_backward", "grad", grad)
+    require_readable("embedding_backward", "indices", indices)
     device = grad.device
     if device.type == "cuda":
         raise_pending_device_error()
@@ -124,6 +127,8 @@ def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:
         raise TypeError(f"embedding: indices must be int32 or int64, got {indices.dtype}")
     if weight.device != indices.device:
         raise ValueError(f"embedding: weight is on {weight.device} but indices are on {indices.device}")
+    if weight.shape[0] == 0 and indices.numel() > 0:  # known from shapes alone, on every device
+        raise IndexError(f"embedding: the weight has 0 rows, so none of the {indices.numel()} indices is in range")
 
 
 @torch.library.custom_op("graphsafe::embedding", mutates_args=())
@@ -208,8 +213,9 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
     value is map[code] * absmax; codes round to the nearest map value, ties toward zero. signed=False is for
     non-negative values (negative ones clamp to 0)."""
     check_block_size(block_size)
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError(f"quantize_blockwise: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    require_readable("quantize_blockwise", "x", x)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_blockwise: expected a floating-point tensor, got {x.dtype}")
     if x.device.type not in ("cpu", "cuda"):
         raise ValueError(f"quantize_blockwise: tensors must be on cpu or cuda, got {x.device}")
     flat = x.detach().to(torch.float32).contiguous()
@@ -225,10 +231,12 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
 def dequantize_blockwise(codes: Tensor, absmax: Tensor, block_size: int = 256, signed: bool = True) -> Tensor:
     """The fp32 values of quantize_blockwise's (codes, absmax), in codes' shape."""
     check_block_size(block_size)
-    if not isinstance(codes, Tensor) or codes.dtype != torch.uint8:
-        raise TypeError(f"dequantize_blockwise: codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
-    if not isinstance(absmax, Tensor) or absmax.dtype != torch.float32:
-        raise TypeError("dequantize_blockwise: absmax must be a float32 tensor")
+    require_readable("dequantize_blockwise", "codes", codes)
+    require_readable("dequantize_blockwise", "absmax", absmax)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"dequantize_blockwise: codes must be a uint8 tensor, got {codes.dtype}")
+    if absmax.dtype != torch.float32:
+        raise TypeError(f"dequantize_blockwise: absmax must be a float32 tensor, got {absmax.dtype}")
     if codes.device != absmax.device or codes.device.type not in ("cpu", "cuda"):
         raise ValueError(f"dequantize_blockwise: codes on {codes.device} and absmax on {absmax.device}; both on one cpu or cuda device")
     numel = codes.numel()

@@ -14,7 +14,10 @@ inline void validate_lookup_args(const EmbeddingLookupArgs& a) {
     fail(std::string("indices must be int32 or int64, got ") + dtype_name(a.index_dtype));
   if (a.num_indices < 0 || a.dim < 0 || a.num_weights < 0) fail("negative shape");
   if (a.element_bytes == 0 || a.element_bytes > 16) fail("unsupported element size");
-  if (a.num_indices > 0 && a.dim > 0 && (a.weight == nullptr || a.indices == nullptr)) fail("null input pointer");
+  // A table of 0 rows has no storage (a null weight): every index is then out of range, which the backends
+  // report as such without reading the table.
+  if (a.num_indices > 0 && a.indices == nullptr) fail("null indices pointer");
+  if (a.num_indices > 0 && a.dim > 0 && a.num_weights > 0 && a.weight == nullptr) fail("null weight pointer");
 }
 
 }  // namespace graphsafe::embedding_detail

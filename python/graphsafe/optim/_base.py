@@ -22,6 +22,7 @@ from torch.autograd import _profiler_enabled
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import _C, ops
+from .._tensor_checks import require_readable, unreadable_reason
 
 try:  # what torch.compile checks its inputs' tensors with, in C++ (_tensor_guard)
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
@@ -125,6 +126,24 @@ def _lr_tensor(lr: float | Tensor, device: torch.device) -> Tensor:
     return torch.tensor(float(lr), dtype=torch.float32, device=device)
 
 
+def _check_lr(lr: Any) -> None:
+    """ValueError unless lr is a number or a one-element tensor >= 0 (+inf allowed, NaN not: torch.optim's rule).
+    Reads a tensor's value on the host: for construction, add_param_group and load_state_dict only, never a
+    step (a captured step cannot read it; the core checks the lr it reads there)."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a number or a one-element tensor, got a tensor of shape {tuple(lr.shape)}")
+        require_readable("optimizer", "lr", lr)
+        value = float(lr.detach().to("cpu", torch.float64))
+    else:
+        try:
+            value = float(lr)
+        except (TypeError, ValueError):
+            raise TypeError(f"lr must be a number or a one-element tensor, got {type(lr).__name__} {lr!r}") from None
+    if not value >= 0.0:  # (NaN fails too)
+        raise ValueError(f"Invalid learning rate: {value}")
+
+
 class GraphsafeOptimizer(torch.optim.Optimizer):
     """Base class: subclasses name the core algorithm and map a param group to core options."""
 
@@ -141,11 +160,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         min_8bit_size: int = 4096,
     ) -> None:
         _check_storage_options(state_bits, block_size, min_8bit_size)
-        lr = defaults["lr"]
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("lr must be a number or a one-element tensor")
-        if (float(lr) if not isinstance(lr, Tensor) else float(lr.detach().cpu())) < 0.0:
-            raise ValueError(f"Invalid learning rate: {float(lr)}")
+        _check_lr(defaults["lr"])
         defaults = dict(defaults, skip_zeros=bool(skip_zeros), state_bits=state_bits, block_size=block_size,
                         min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
@@ -173,16 +188,25 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
         return 0.0
 
+    def _step_of_loaded_state(self, state: dict[str, Any]) -> float:
+        """The step count of a loaded, non-empty parameter state that has none. The update rules read the step
+        (bias corrections, warm-ups, first-step rules), so a restart from 0 would silently change training: an
+        error here; an algorithm whose rule reads the step only to tell the first step apart overrides this."""
+        raise ValueError(
+            f"{type(self).__name__}.load_state_dict: a saved parameter state has no 'step' (it has {sorted(state)}); "
+            f"{type(self).__name__}'s update depends on the step count, so it will not restart from step 0. Save "
+            "the checkpoint with its step counts, or set state['step'] in the state_dict by hand.")
+
     # ---- checks ----
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        if isinstance(group["lr"], Tensor):
-            if group["lr"].numel() != 1:
-                raise ValueError("lr must be a number or a one-element tensor")
-        elif float(group["lr"]) < 0.0:
-            raise ValueError(f"Invalid learning rate: {group['lr']}")
+        """Raises the clear error for a param group the step cannot take (its lr, options and parameters);
+        changes nothing."""
+        _check_lr(group["lr"])
         _C.optim_validate(self.algorithm, self._core_options(group))
+        _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
         for p in group["params"]:
+            require_readable(type(self).__name__, "a parameter", p)
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {p.dtype}")
             if p.device.type not in ("cpu", "cuda"):
@@ -198,11 +222,16 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         return devices.pop() if devices else torch.device("cpu")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        groups_before = len(self.param_groups)
         super().add_param_group(param_group)
-        if hasattr(self, "_initialised"):
+        if hasattr(self, "_initialised") and len(self.param_groups) > groups_before:
             group = self.param_groups[-1]
-            self._check_group(group)
-            group["lr"] = _lr_tensor(group["lr"], self._group_device(group))
+            try:
+                self._check_group(group)
+                group["lr"] = _lr_tensor(group["lr"], self._group_device(group))
+            except Exception:
+                self.param_groups.pop()  # a refused group is not kept: the optimizer stays as it was
+                raise
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -231,6 +260,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         which differs only when dampening != 0). A loaded state (loading=True) that lacks one of its
         algorithm's states is an incomplete checkpoint: ValueError, instead of a silent restart from zeros."""
         state = self.state[p]
+        if "step" not in state and loading:
+            state["step"] = self._step_of_loaded_state(state)
         step = state.get("step", 0.0)
         if not _has_form(step, torch.float32, (), p.device):
             state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
@@ -275,6 +306,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
     def _reject_grad(self, p: Tensor, g: Tensor) -> None:
         """Raises the clear error for a gradient the core cannot take."""
         name = type(self).__name__
+        require_readable(name, "a parameter", p)
         if g.is_sparse or g.layout != torch.strided:
             raise RuntimeError(f"{name} does not support sparse gradients; use a dense gradient (graphsafe.nn.Embedding gives one)")
         if g.is_complex() or p.is_complex():
@@ -283,6 +315,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{name}: gradient dtype {g.dtype} differs from its parameter's {p.dtype}")
         if g.device != p.device:
             raise ValueError(f"{name}: gradient on {g.device} but its parameter on {p.device}")
+        require_readable(name, "a gradient", g)
         raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from its parameter's {tuple(p.shape)}")
 
     def step(self, *args: Any, **kwargs: Any):
@@ -535,8 +568,11 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
         for p, g in pairs:
-            if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device):
+            if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device) or (
+                    type(g) is not Tensor and unreadable_reason(g) is not None):
                 self._reject_grad(p, g)
+            if type(p) is not torch.nn.Parameter and type(p) is not Tensor:  # (set by hand after construction)
+                require_readable(type(self).__name__, "a parameter", p)
             if not p.is_contiguous():  # checked at construction, but p.data can be replaced since
                 raise ValueError(f"{type(self).__name__}: parameters must be contiguous (the step updates them in "
                                  f"place); a parameter of shape {tuple(p.shape)} has strides {p.stride()}")
@@ -571,8 +607,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         # device, becomes a 0-d float32 tensor on the device again (eager steps only; a captured step, and
         # later fill_s of the tensor set by hand, do not see it).
         if not isinstance(lr, Tensor) or lr.device != device or lr.dtype is not torch.float32 or lr.numel() != 1:
-            if not isinstance(lr, Tensor) and float(lr) < 0.0:
-                raise ValueError(f"Invalid learning rate: {lr}")
+            if not isinstance(lr, Tensor):
+                _check_lr(lr)
             group["lr"] = lr = _lr_tensor(lr, device)
         block_size = group["block_size"]
         finish_counter = self._finish_counter(device) if device.type == "cuda" else 0
@@ -678,6 +714,7 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             # other kind is converted to it (_conform_loaded_state), never the optimizer to the checkpoint.
             for key in _STORAGE_OPTIONS:
                 new[key] = group[key]
+            self._check_group(new)  # the saved hyperparameters too: refused now, not at the next step
             groups.append(new)
         before = {"state": self.state, "param_groups": self.param_groups}
         self.__setstate__({"state": state, "param_groups": groups})

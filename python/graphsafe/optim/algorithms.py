@@ -16,6 +16,18 @@ def _flag(value: Any) -> float:
     return 1.0 if value else 0.0
 
 
+def _betas(betas: Any, count: int) -> tuple[float, ...]:
+    """betas as a tuple of `count` numbers, or ValueError (their ranges are the core's to check)."""
+    try:
+        values = tuple(betas)
+    except TypeError:
+        values = None
+    if values is None or len(values) != count:
+        names = ", ".join(f"beta{i + 1}" for i in range(count))
+        raise ValueError(f"expected {('two', 'three')[count - 2]} betas ({names}), got {betas!r}")
+    return values
+
+
 def _reject_differentiable(name: str, differentiable: bool) -> None:
     if differentiable:
         raise NotImplementedError(f"{name}(differentiable=True) is not supported: graphsafe's step is not differentiable")
@@ -37,13 +49,13 @@ class Adam(GraphsafeOptimizer):
         _reject_differentiable(type(self).__name__, differentiable)
         if decoupled_weight_decay:
             self.algorithm = "adamw"
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        defaults = dict(lr=lr, betas=_betas(betas, 2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
         super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]))
 
@@ -87,6 +99,12 @@ class SGD(GraphsafeOptimizer):
 
     def _state_names(self, group):
         return ["momentum_buffer"] if group["momentum"] != 0 else []
+
+    def _step_of_loaded_state(self, state):
+        # SGD's rule reads the step only to start the momentum buffer from the first gradient (step 1), as torch
+        # does when it has no buffer; torch.optim.SGD saves no step. A saved buffer means a step was taken: 1
+        # continues from it exactly as torch does; without one the next step is the first.
+        return 1.0 if state.get("momentum_buffer") is not None else 0.0
 
 
 class RMSprop(GraphsafeOptimizer):
@@ -153,12 +171,12 @@ class Lion(GraphsafeOptimizer):
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
                  skip_zeros=False, state_bits=32, block_size=256,
                  min_8bit_size=4096):
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        defaults = dict(lr=lr, betas=_betas(betas, 2), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
     def _state_names(self, group):
@@ -174,13 +192,13 @@ class LAMB(GraphsafeOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True, *,
                  maximize=False, skip_zeros=False, state_bits=32, block_size=256,
                  min_8bit_size=4096):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        defaults = dict(lr=lr, betas=_betas(betas, 2), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, maximize=maximize)
         super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]))
 
@@ -219,15 +237,13 @@ class AdEMAMix(GraphsafeOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None,
                  eps=1e-8, weight_decay=0.0, *, maximize=False, skip_zeros=False, state_bits=32, block_size=256,
                  min_8bit_size=4096):
-        if len(tuple(betas)) != 3:
-            raise ValueError(f"AdEMAMix takes three betas (beta1, beta2, beta3), got {betas}")
-        defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+        defaults = dict(lr=lr, betas=_betas(betas, 3), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
                         weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2, beta3 = group["betas"]
+        beta1, beta2, beta3 = _betas(group["betas"], 3)
         return dict(beta1=float(beta1), beta2=float(beta2), beta3=float(beta3), mix_alpha=float(group["alpha"]),
                     alpha_warmup=float(group["t_alpha"] or 0), beta3_warmup=float(group["t_beta3"] or 0),
                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
