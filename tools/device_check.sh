@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, C++ tests, CUDA pytest files, benchmarks. Logs go to $OUT.
 # The GPU image has no GoogleTest: before the call, here, `mkdir -p .deps && cp -r /usr/src/googletest .deps/`
 # and `echo /.deps/ >> .git/info/exclude`; then run (device tool) `bash tools/device_check.sh <commit>` with
-# carry [".deps"]. PYTEST_FILES, TRAIN_ARGS, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs; NCU=1 adds an
+# carry [".deps"]. PYTEST_FILES, TRAIN_ARGS, SANITIZE, BENCH, BENCH_ARGS and BENCH_TIMEOUT narrow or widen what runs; NCU=1 adds an
 # ncu summary of the 8-bit AdamW kernel (fp32 and bf16 parameters, tools/profile_optim8.py) before the benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,6 +21,23 @@ echo "pytest rc=$? at $((SECONDS-START)) s: $(tail -1 "$OUT/pytest_cuda.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20
 wait $CTEST
 echo "ctest at $((SECONDS-START)) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+# SANITIZE=1: compute-sanitizer's memcheck and racecheck over every CUDA kernel family (tools/sanitizer_cases.py,
+# small shapes: racecheck checks every shared-memory access) and memcheck over the C++ CUDA tests. memcheck runs
+# without torch's caching allocator, so that each tensor is its own allocation and an access past its end is
+# seen. Reports and summaries go to $OUT/sanitizer_*.txt.
+if [ "${SANITIZE:-0}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$([ $tool = memcheck ] && echo 1 || echo 0) timeout 300 \
+      compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 50 python3 tools/sanitizer_cases.py \
+      > "$OUT/sanitizer_$tool.txt" 2>&1
+    echo "compute-sanitizer $tool (tools/sanitizer_cases.py): rc=$? at $((SECONDS-START)) s;" \
+      "$(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|sanitizer cases' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
+  done
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 50 build/cpp/tests/cpp/graphsafe_tests \
+    --gtest_brief=1 > "$OUT/sanitizer_memcheck_cpp.txt" 2>&1
+  echo "compute-sanitizer memcheck (C++ tests): rc=$? at $((SECONDS-START)) s;" \
+    "$(grep -hE 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitizer_memcheck_cpp.txt" | tr '\n' ' ')"
+fi
 # TRAIN_ARGS: also run `graphsafe train` with these arguments (its summary goes to $OUT/train.txt).
 if [ -n "${TRAIN_ARGS:-}" ]; then
   timeout 200 graphsafe train $TRAIN_ARGS > "$OUT/train.txt" 2>&1
@@ -36,7 +53,9 @@ if [ "${NCU:-0}" = 1 ]; then
     grep -E "^\s+(Duration|DRAM Throughput|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Executed Instructions |No Eligible)" "$OUT/ncu_$dtype.txt"
   done
 fi
-# The device tool stops a call at 600 s; the benchmark gets what is left (minus a margin), unless told.
+# BENCH=0: no benchmark. The device tool stops a call at 600 s; the benchmark gets what is left (minus a
+# margin), unless told.
+[ "${BENCH:-1}" = 0 ] && exit 0
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-$((570-(SECONDS-START)))}
 timeout $BENCH_TIMEOUT python3 -m graphsafe bench ${BENCH_ARGS:-} --json-out "$OUT/bench.jsonl" > "$OUT/bench.txt" 2> "$OUT/bench.err"
 echo "bench rc=$?"
