@@ -1,0 +1,715 @@
+"""Bad-input matrix for graphsafe's public entry points other than the optimizers (issue 18, item 2):
+graphsafe.ops.* (embedding_backward, embedding, quantize_blockwise, dequantize_blockwise, quantization_map,
+check_block_size), graphsafe.nn.Embedding, graphsafe.compile_step, and `import graphsafe` itself.
+
+Each case feeds one kind of bad input (wrong dtype, meta or mixed devices, non-contiguous and zero-stride
+views, empty tensors, sizes past int32/int64, out-of-range and negative indices, tensor subclasses, sparse
+and nested tensors) and asserts either a refusal (exception type plus a message fragment a user can act on)
+or the documented handling (README.md, docs/embedding.md, docs/optim.md). Inputs a C++ kernel could read
+through a wrong pointer run in a subprocess (`run_isolated`), so that a crash fails one test instead of
+ending pytest. The optimizer half of the matrix is test_bad_inputs_optim.py (it reuses the helpers here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphsafe
+import graphsafe.ops as gops
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CUDA = torch.cuda.is_available() and graphsafe.cuda_backend_built()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and graphsafe's CUDA backend")
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers shared with test_bad_inputs_optim.py
+# --------------------------------------------------------------------------------------------------------
+
+LAYOUT_WORDS = r"sparse|strided|dense|layout|nested"
+NESTED_REFUSAL = (TypeError, ValueError, NotImplementedError)
+
+
+def refused(fn, types, pattern: str = "", what: str = ""):
+    """fn() must raise one of `types` whose message matches `pattern` (case-insensitive); returns the
+    exception. Any other outcome raises AssertionError saying what happened instead."""
+    what = what or getattr(fn, "__name__", "call")
+    try:
+        out = fn()
+    except types as exc:
+        if pattern and not re.search(pattern, str(exc), re.IGNORECASE):
+            raise AssertionError(f"{what}: {type(exc).__name__} raised, but its message {str(exc)!r} "
+                                 f"does not match {pattern!r} (it should name the argument and what is expected)")
+        return exc
+    except Exception as exc:  # the wrong type: show it
+        names = types.__name__ if isinstance(types, type) else "/".join(t.__name__ for t in types)
+        raise AssertionError(f"{what}: expected {names} matching {pattern!r}, got {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"{what}: expected a refusal matching {pattern!r}, but it returned {_short(out)}")
+
+
+def handled_or_refused(fn, check, types, pattern: str, what: str = ""):
+    """Either fn() returns and check(result) holds, or it raises one of `types` matching `pattern`."""
+    try:
+        out = fn()
+    except types as exc:
+        if not re.search(pattern, str(exc), re.IGNORECASE):
+            raise AssertionError(f"{what}: refused with {type(exc).__name__}, but the message {str(exc)!r} "
+                                 f"does not match {pattern!r}")
+        return
+    except Exception as exc:
+        raise AssertionError(f"{what}: expected a result or a clear refusal, got {type(exc).__name__}: {exc}") from exc
+    check(out)
+
+
+def _short(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}, {x.dtype}, on {x.device}"
+    return repr(x)[:200]
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.layout != torch.strided else t
+
+
+def same(a: torch.Tensor, b: torch.Tensor, what: str = "result") -> None:
+    a, b = plain(a), plain(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(a, b), f"{what}: values differ"
+
+
+class Sub(torch.Tensor):
+    """A plain tensor subclass (storage of its own, default __torch_function__)."""
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass without storage of its own, as DTensor is: every op unwraps, runs, rewraps."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                requires_grad=inner.requires_grad)
+        r.inner = inner
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        unwrap = lambda t: t.inner if isinstance(t, Wrapper) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: Wrapper(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def as_sub(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    return torch.Tensor._make_subclass(Sub, t, requires_grad)
+
+
+_RUNNER = textwrap.dedent("""
+    import json, sys, traceback
+    sys.path.insert(0, {here!r})
+    import importlib
+    table = getattr(importlib.import_module({module!r}), {table!r})
+    for name in sys.argv[1:]:
+        print(json.dumps({{"start": name}}), flush=True)
+        try:
+            table[name]()
+            result = {{"name": name, "ok": True, "error": ""}}
+        except BaseException as exc:
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            text = text if len(text) < 2500 else text[:2000] + " ... " + text[-400:]
+            result = {{"name": name, "ok": False, "error": text}}
+        print(json.dumps(result), flush=True)
+""")
+
+
+def run_isolated(module: str, table: str, names, timeout: float = 240.0) -> dict[str, tuple[bool, str]]:
+    """Runs table[name]() for each name in one child Python (restarted after a case that ends the process):
+    {name: (passed, error text)}. A crash (segfault, abort) is reported against the case that was running."""
+    code = _RUNNER.format(here=HERE, module=module, table=table)
+    results: dict[str, tuple[bool, str]] = {}
+    pending = list(names)
+    while pending:
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, *pending], capture_output=True, text=True,
+                                  timeout=timeout, cwd=HERE)
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            stderr, rc = "timed out", "timeout"
+        running = None
+        for line in stdout.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if "start" in record:
+                running = record["start"]
+            else:
+                results[record["name"]] = (record["ok"], record["error"])
+        if all(n in results for n in pending):
+            break
+        if running is None or running in results:  # died before or between cases
+            for n in pending:
+                results.setdefault(n, (False, f"child Python failed (exit {rc}) outside any case: {stderr[-2000:]}"))
+            break
+        results[running] = (False, f"the process died in this case (exit {rc}; a negative exit is a signal, "
+                                   f"-11 a segfault): {stderr[-1500:]}")
+        pending = pending[pending.index(running) + 1:]
+    return results
+
+
+def isolated_fixture(module: str, table_name: str):
+    """A module-scoped fixture running every case of `table_name` once, in a child Python."""
+
+    @pytest.fixture(scope="module")
+    def results():
+        table = getattr(sys.modules[module], table_name)
+        return run_isolated(module, table_name, list(table))
+
+    return results
+
+
+def check_isolated(results: dict[str, tuple[bool, str]], name: str) -> None:
+    passed, error = results[name]
+    assert passed, f"{name}: {error}"
+
+
+def gen_tensor(*shape, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def idx(*values, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# import graphsafe (fresh interpreter, outside the source tree)
+# --------------------------------------------------------------------------------------------------------
+
+IMPORT_CASES = {
+    "graph-attribute": "import graphsafe\nassert callable(graphsafe.graph.capture_gate)",
+    "hasattr-graph": "import graphsafe\nassert hasattr(graphsafe, 'graph')",
+    "star-import": "from graphsafe import *\nassert graph.capture_gate and compile_step and ops and optim and nn",
+    "missing-attribute-then-compile_step": (
+        "import graphsafe\ntry:\n    graphsafe.no_such_name\nexcept AttributeError as e:\n"
+        "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit('no AttributeError')\n"
+        "assert callable(graphsafe.compile_step)"),
+}
+
+
+@pytest.fixture(scope="module")
+def import_results(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("fresh_import")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, code in IMPORT_CASES.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        out[name] = (proc.returncode, stderr)
+    return out
+
+
+@pytest.mark.parametrize("case", IMPORT_CASES)
+def test_import_in_a_fresh_interpreter(import_results, case):
+    rc, stderr = import_results[case]
+    assert rc == 0, f"{IMPORT_CASES[case]!r} failed in a fresh interpreter (exit {rc}): {stderr[-1500:]}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# graphsafe.ops.embedding_backward
+# --------------------------------------------------------------------------------------------------------
+
+
+def eb(grad, indices, num_weights=8, padding_idx=-1, scale=False):
+    return lambda: gops.embedding_backward(grad, indices, num_weights, padding_idx, scale)
+
+
+G34 = gen_tensor(3, 4)
+I3 = idx(0, 5, 2)
+META = torch.device("meta")
+
+EB_REFUSED = {
+    **{f"grad-{d}": (eb(torch.ones(3, 4, dtype=d), I3), TypeError, r"grad.*float32")
+       for d in (torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64)},
+    **{f"indices-{d}": (eb(G34, torch.zeros(3, dtype=d)), TypeError, r"indices.*int32 or int64")
+       for d in (torch.float32, torch.float64, torch.int16, torch.uint8, torch.bool)},
+    "grad-meta-indices-cpu": (eb(G34.to(META), I3), (ValueError, RuntimeError), r"meta"),
+    "grad-cpu-indices-meta": (eb(G34, I3.to(META)), (ValueError, RuntimeError), r"meta"),
+    "grad-0d": (eb(torch.tensor(1.0), torch.tensor(0)), ValueError, r"grad.*shape|0-d"),
+    "shape-mismatch": (eb(gen_tensor(2, 4), I3), ValueError, r"shape"),
+    "grad-transposed": (eb(gen_tensor(4, 3).t(), I3), ValueError, r"contiguous"),
+    "grad-expanded-stride0": (eb(gen_tensor(1, 4).expand(3, 4), I3), ValueError, r"contiguous"),
+    "indices-transposed": (eb(gen_tensor(3, 2, 4), idx(0, 1, 2, 3, 4, 5).view(2, 3).t()), ValueError, r"contiguous"),
+    "indices-expanded-stride0": (eb(G34, idx(1).expand(3)), ValueError, r"contiguous"),
+    "index-too-large": (eb(G34, idx(0, 8, 1)), IndexError, r"8"),
+    "index-negative": (eb(G34, idx(0, -1, 1)), IndexError, r"-1"),
+    "index-negative-int32": (eb(G34, idx(0, -3, 1, dtype=torch.int32)), IndexError, r"-3"),
+    "index-past-int32-range": (eb(G34, idx(0, 2**32 + 1, 1)), IndexError, r"4294967297|range"),
+    "index-int64-min": (eb(G34, idx(0, -(2**63), 1)), IndexError, r"range|-9223372036854775808"),
+    "index-on-zero-rows": (eb(G34, I3, num_weights=0), IndexError, r"range|0 rows|num_weights"),
+    "padding-idx-too-large": (eb(G34, I3, padding_idx=8), ValueError, r"padding_idx"),
+    "padding-idx-too-negative": (eb(G34, I3, padding_idx=-10), ValueError, r"padding_idx"),
+    "num-weights-negative": (eb(G34, I3, num_weights=-1), ValueError, r"num_weights"),
+    "num-weights-int32-max": (eb(G34, I3, num_weights=2**31 - 1), ValueError, r"num_weights"),
+    "num-weights-past-int64": (eb(G34, I3, num_weights=2**63), (ValueError, RuntimeError, OverflowError),
+                               r"num_weights|int64|overflow|range"),
+    "indices-past-int32-count-meta": (eb(torch.empty(2**31, 1, device=META), torch.empty(2**31, dtype=torch.int64,
+                                                                                        device=META)),
+                                      ValueError, r"2\^31|indices"),
+    # [2^30, 2^40] has 2^70 elements: no int64 can count the result.
+    "result-past-int64-meta": (eb(torch.empty(0, 2**40, device=META), torch.empty(0, dtype=torch.int64, device=META),
+                                  num_weights=2**30), (ValueError, RuntimeError), r"overflow|size|num_weights|2\^"),
+}
+
+
+@pytest.mark.parametrize("case", EB_REFUSED)
+def test_embedding_backward_refuses(case):
+    fn, types, pattern = EB_REFUSED[case]
+    refused(fn, types, pattern, f"embedding_backward[{case}]")
+
+
+def _ref_backward(grad, indices, num_weights):
+    return torch.ops.aten.embedding_dense_backward(grad.double(), indices.long(), num_weights, -1, False).to(grad.dtype)
+
+
+EB_HANDLED = {
+    "grad-float64": (gen_tensor(3, 4, dtype=torch.float64), I3, 8),
+    "no-indices": (torch.empty(0, 4), idx(), 5),
+    "no-indices-2d": (torch.empty(2, 0, 4), torch.empty(2, 0, dtype=torch.int64), 5),
+    "zero-rows-no-indices": (torch.empty(0, 4), idx(), 0),
+    "zero-width": (torch.empty(3, 0), I3, 8),
+    "0d-index": (gen_tensor(4), torch.tensor(2), 8),
+    "int32-indices-at-last-row": (G34, idx(7, 7, 0, dtype=torch.int32), 8),
+}
+
+
+@pytest.mark.parametrize("case", EB_HANDLED)
+def test_embedding_backward_handles(case):
+    grad, indices, num_weights = EB_HANDLED[case]
+    out = gops.embedding_backward(grad, indices, num_weights)
+    assert out.shape == (num_weights, grad.shape[-1]) and out.dtype == grad.dtype
+    assert torch.equal(out, _ref_backward(grad, indices, num_weights))
+
+
+def test_embedding_backward_on_meta_tensors_gives_the_shape():
+    out = gops.embedding_backward(G34.to(META), I3.to(META), 8)
+    assert out.device.type == "meta" and out.shape == (8, 4) and out.dtype == torch.float32
+
+
+def test_embedding_backward_on_meta_tensors_past_int32_rows():
+    out = gops.embedding_backward(torch.empty(3, 2, device=META), I3.to(META), 2**31 - 2)
+    assert out.shape == (2**31 - 2, 2)
+
+
+def test_out_of_range_index_writes_nothing_and_the_op_still_works():
+    refused(eb(G34, idx(0, 9, 1)), IndexError, r"9")
+    assert torch.equal(gops.embedding_backward(G34, I3, 8), _ref_backward(G34, I3, 8))
+
+
+# --------------------------------------------------------------------------------------------------------
+# graphsafe.ops.embedding (lookup) and graphsafe.nn.Embedding
+# --------------------------------------------------------------------------------------------------------
+
+W54 = gen_tensor(5, 4, seed=1)
+
+
+def lookup(weight, indices, padding_idx=-1):
+    return lambda: gops.embedding(weight, indices, padding_idx)
+
+
+LOOKUP_REFUSED = {
+    **{f"indices-{d}": (lookup(W54, torch.zeros(3, dtype=d)), TypeError, r"indices.*int32 or int64")
+       for d in (torch.float32, torch.int16, torch.bool, torch.uint8)},
+    "weight-1d": (lookup(W54.view(-1), I3), ValueError, r"weight.*2-D"),
+    "weight-3d": (lookup(W54.view(5, 2, 2), I3), ValueError, r"weight.*2-D"),
+    "weight-cpu-indices-meta": (lookup(W54, I3.to(META)), (ValueError, RuntimeError), r"meta"),
+    "weight-meta-indices-cpu": (lookup(W54.to(META), I3), (ValueError, RuntimeError), r"meta"),
+    "index-too-large": (lookup(W54, idx(0, 5)), IndexError, r"5|range"),
+    "index-negative": (lookup(W54, idx(0, -1)), IndexError, r"-1|range"),
+    "index-past-int32-range": (lookup(W54, idx(0, 2**32 + 1)), IndexError, r"4294967297|range"),
+    "index-on-zero-rows": (lookup(torch.empty(0, 4), idx(0)), IndexError, r"out of range|0 rows"),
+    "index-on-zero-rows-int32": (lookup(torch.empty(0, 4), idx(0, dtype=torch.int32)), IndexError,
+                                 r"out of range|0 rows"),
+    "padding-idx-too-large": (lookup(W54, I3.clamp(max=4), padding_idx=5), ValueError, r"padding_idx"),
+    "transposed-weight-index-too-large": (lookup(gen_tensor(4, 5).t(), idx(7)), IndexError, r"range|7"),
+}
+
+
+@pytest.mark.parametrize("case", LOOKUP_REFUSED)
+def test_embedding_lookup_refuses(case):
+    fn, types, pattern = LOOKUP_REFUSED[case]
+    refused(fn, types, pattern, f"embedding[{case}]")
+
+
+LOOKUP_HANDLED = {
+    "no-indices": (W54, idx()),
+    "no-indices-2d": (W54, torch.empty(2, 0, dtype=torch.int64)),
+    "zero-rows-no-indices": (torch.empty(0, 4), idx()),
+    "zero-width": (torch.empty(5, 0), I3.clamp(max=4)),
+    "0d-index": (W54, torch.tensor(3)),
+    "transposed-weight": (gen_tensor(4, 5).t(), I3.clamp(max=4)),
+    "expanded-weight-stride0": (gen_tensor(1, 4).expand(5, 4), I3.clamp(max=4)),
+    "transposed-indices": (W54, idx(0, 1, 2, 3, 4, 0).view(2, 3).t()),
+    "expanded-indices-stride0": (W54, idx(4).expand(6)),
+    "int32-indices": (W54, idx(4, 0, 3, dtype=torch.int32)),
+    **{f"weight-{d}": (W54.to(d), idx(4, 0, 3)) for d in (torch.float64, torch.float16, torch.bfloat16)},
+}
+
+
+@pytest.mark.parametrize("case", LOOKUP_HANDLED)
+def test_embedding_lookup_handles(case):
+    weight, indices = LOOKUP_HANDLED[case]
+    same(gops.embedding(weight, indices), F.embedding(indices, weight), f"embedding[{case}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64], ids=str)
+def test_embedding_lookup_of_a_non_float_weight_matches_torch_or_is_refused(dtype):
+    weight = (W54 * 10).to(dtype)
+    indices = idx(4, 0, 3)
+    handled_or_refused(lambda: gops.embedding(weight, indices),
+                       lambda out: same(out, F.embedding(indices, weight)), TypeError, r"weight.*dtype|float",
+                       f"embedding of a {dtype} weight")
+
+
+def test_embedding_lookup_on_meta_tensors_past_int32_sizes():
+    weight = torch.empty(2**31 + 10, 2, device=META)
+    assert gops.embedding(weight, I3.to(META)).shape == (3, 2)
+    handled_or_refused(lambda: gops.embedding(W54.to(META), torch.empty(2**31 + 1, dtype=torch.int64, device=META)),
+                       lambda out: out.shape == (2**31 + 1, 4), ValueError, r"2\^31|indices")
+
+
+NN_REFUSED = {
+    "max_norm": (lambda: graphsafe.nn.Embedding(5, 4, max_norm=1.0), NotImplementedError, r"max_norm.*renorm"),
+    "sparse": (lambda: graphsafe.nn.Embedding(5, 4, sparse=True), NotImplementedError, r"sparse.*skip_zeros"),
+    "float-indices": (lambda: graphsafe.nn.Embedding(5, 4)(torch.zeros(3)), TypeError, r"indices"),
+    "index-too-large": (lambda: graphsafe.nn.Embedding(5, 4)(idx(5)), IndexError, r"5|range"),
+    "index-negative": (lambda: graphsafe.nn.Embedding(5, 4)(idx(-1)), IndexError, r"-1|range"),
+    "zero-rows-index": (lambda: graphsafe.nn.Embedding(0, 4)(idx(0)), IndexError, r"out of range|0 rows"),
+    "meta-indices": (lambda: graphsafe.nn.Embedding(5, 4)(I3.to(META)), (ValueError, RuntimeError), r"meta"),
+}
+
+
+@pytest.mark.parametrize("case", NN_REFUSED)
+def test_nn_embedding_refuses(case):
+    fn, types, pattern = NN_REFUSED[case]
+    refused(fn, types, pattern, f"nn.Embedding[{case}]")
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0)], ids=str)
+@pytest.mark.parametrize("rows", [0, 5])
+def test_nn_embedding_with_no_indices_gives_an_empty_result_and_a_zero_gradient(rows, shape):
+    emb = graphsafe.nn.Embedding(rows, 4)
+    out = emb(torch.empty(shape, dtype=torch.int64))
+    assert out.shape == (*shape, 4)
+    out.sum().backward()
+    assert emb.weight.grad is not None and torch.equal(emb.weight.grad, torch.zeros(rows, 4))
+
+
+def test_nn_embedding_non_contiguous_indices_and_gradient_match_torch():
+    emb = graphsafe.nn.Embedding(6, 3)
+    ref = torch.nn.Embedding(6, 3)
+    ref.weight.data.copy_(emb.weight.data)
+    indices = idx(0, 1, 2, 3, 4, 5, 5, 0).view(2, 4).t()  # non-contiguous, repeated rows
+    upstream = gen_tensor(3, 4, 2).permute(1, 2, 0)  # non-contiguous incoming gradient [4, 2, 3]
+    emb(indices).backward(upstream)
+    ref(indices).backward(upstream)
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 8-bit blockwise quantisation ops
+# --------------------------------------------------------------------------------------------------------
+
+X = gen_tensor(3, 100, seed=2)
+CODES, ABSMAX = gops.quantize_blockwise(X, 256)
+
+
+def quant(x, block_size=256, signed=True):
+    return lambda: gops.quantize_blockwise(x, block_size, signed)
+
+
+def dequant(codes, absmax, block_size=256, signed=True):
+    return lambda: gops.dequantize_blockwise(codes, absmax, block_size, signed)
+
+
+BAD_BLOCK_SIZES = [0, -256, 16, 100, 2048, True, 256.0, "256", None]
+
+QUANT_REFUSED = {
+    **{f"x-{d}": (quant(torch.ones(8).to(d)), TypeError, r"floating")
+       for d in (torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64)},
+    "x-list": (quant([1.0, 2.0]), TypeError, r"tensor"),
+    "x-meta": (quant(X.to(META)), (TypeError, ValueError), r"meta"),
+    "x-meta-past-int32": (quant(torch.empty(2**31 + 1, device=META)), (TypeError, ValueError), r"meta"),
+    **{f"block-size-{b!r}": (quant(X, b), ValueError, r"block_size") for b in BAD_BLOCK_SIZES},
+    **{f"dequant-codes-{d}": (dequant(CODES.to(d), ABSMAX), TypeError, r"codes.*uint8")
+       for d in (torch.int8, torch.int32, torch.float32, torch.bool)},
+    **{f"dequant-absmax-{d}": (dequant(CODES, ABSMAX.to(d)), TypeError, r"absmax.*float32")
+       for d in (torch.float64, torch.float16, torch.int32)},
+    "dequant-absmax-short": (dequant(CODES, ABSMAX[:-1]), ValueError, r"absmax"),
+    "dequant-absmax-long": (dequant(CODES, torch.cat([ABSMAX, ABSMAX])), ValueError, r"absmax"),
+    "dequant-absmax-empty": (dequant(CODES, torch.empty(0)), ValueError, r"absmax"),
+    "dequant-codes-meta": (dequant(CODES.to(META), ABSMAX.to(META)), (TypeError, ValueError), r"meta"),
+    "dequant-absmax-meta": (dequant(CODES, ABSMAX.to(META)), (TypeError, ValueError), r"meta"),
+    "dequant-codes-meta-absmax-cpu": (dequant(CODES.to(META), ABSMAX), (TypeError, ValueError), r"meta"),
+    **{f"dequant-block-size-{b!r}": (dequant(CODES, ABSMAX, b), ValueError, r"block_size") for b in BAD_BLOCK_SIZES},
+    # 2^33 codes as a zero-stride view (nothing allocated) with 3 scales: refused by counting, before any copy.
+    "dequant-2^33-codes-wrong-absmax": (dequant(torch.zeros(1, dtype=torch.uint8).expand(2**33), ABSMAX),
+                                        ValueError, r"absmax"),
+}
+
+
+@pytest.mark.parametrize("case", QUANT_REFUSED)
+def test_quantization_ops_refuse(case):
+    fn, types, pattern = QUANT_REFUSED[case]
+    refused(fn, types, pattern, f"quantization[{case}]")
+
+
+@pytest.mark.parametrize("bad", BAD_BLOCK_SIZES, ids=repr)
+def test_check_block_size_refuses(bad):
+    refused(lambda: gops.check_block_size(bad), ValueError, r"block_size.*power of two")
+
+
+def test_check_block_size_accepts_the_documented_range():
+    for b in (32, 64, 128, 256, 512, 1024):
+        gops.check_block_size(b)
+
+
+QUANT_HANDLED = {
+    "float64": gen_tensor(300, dtype=torch.float64),
+    "float16": gen_tensor(300, dtype=torch.float16),
+    "bfloat16": gen_tensor(300, dtype=torch.bfloat16),
+    "transposed": gen_tensor(100, 3).t(),
+    "expanded-stride0": gen_tensor(1, 100).expand(3, 100),
+    "empty": torch.empty(0),
+    "empty-2d": torch.empty(3, 0),
+    "0d": torch.tensor(-2.5),
+}
+
+
+@pytest.mark.parametrize("case", QUANT_HANDLED)
+def test_quantization_handles_views_dtypes_and_empty(case):
+    x = QUANT_HANDLED[case]
+    codes, absmax = gops.quantize_blockwise(x, 32)
+    ref_codes, ref_absmax = gops.quantize_blockwise(x.float().contiguous().clone(), 32)
+    assert codes.shape == x.shape and codes.dtype == torch.uint8
+    assert absmax.shape == ((x.numel() + 31) // 32,) and absmax.dtype == torch.float32
+    same(codes, ref_codes, "codes")
+    same(absmax, ref_absmax, "absmax")
+    # dequantize of non-contiguous / zero-stride codes and absmax: the values of the contiguous ones
+    out = gops.dequantize_blockwise(codes.t() if codes.dim() == 2 else codes, absmax, 32)
+    ref = gops.dequantize_blockwise((ref_codes.t() if codes.dim() == 2 else ref_codes).contiguous(), ref_absmax, 32)
+    same(out, ref, "dequantized")
+
+
+def test_dequantize_with_zero_stride_absmax():
+    codes, absmax = gops.quantize_blockwise(torch.full((64,), 0.5), 32)
+    out = gops.dequantize_blockwise(codes, absmax[:1].expand(2), 32)
+    same(out, gops.dequantize_blockwise(codes, absmax, 32))
+
+
+def test_quantize_non_finite_values_as_documented():
+    x = torch.tensor([1.0, float("inf"), -2.0] + [0.5] * 29 + [float("nan")] + [0.25] * 31)
+    codes, absmax = gops.quantize_blockwise(x, 32)
+    assert absmax[0].item() == torch.finfo(torch.float32).max  # inf stored as FLT_MAX
+    assert absmax[1].isnan()  # NaN stays NaN: the block's absmax is NaN
+    assert torch.isfinite(gops.dequantize_blockwise(codes, absmax, 32)[:32]).all()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantization_map_on_meta_and_cpu(signed):
+    qmap = gops.quantization_map(signed)
+    assert qmap.shape == (256,) and qmap.dtype == torch.float32 and bool((qmap[1:] > qmap[:-1]).all())
+    assert gops.quantization_map(signed, device="meta").shape == (256,)
+
+
+def test_quantization_map_bad_device_is_refused():
+    refused(lambda: gops.quantization_map(True, device="no_such_device"), (RuntimeError, ValueError), r"device")
+
+
+def test_every_public_op_is_in_the_matrix():
+    covered = {"embedding_backward", "embedding", "quantize_blockwise", "dequantize_blockwise", "quantization_map"}
+    assert set(gops.__all__) <= covered, f"new entry points without bad-input cases: {set(gops.__all__) - covered}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Subclasses, sparse and nested tensors, and sizes that must not crash: each in a child Python
+# --------------------------------------------------------------------------------------------------------
+
+CLEAR_SUBCLASS = r"subclass|Sub|Wrapper|" + LAYOUT_WORDS
+
+
+def _nested_float():
+    return torch.nested.nested_tensor([gen_tensor(2, 4), gen_tensor(1, 4)])
+
+
+def _nested_index():
+    return torch.nested.nested_tensor([idx(0, 1), idx(2)])
+
+
+def _eb_sub(make_grad, make_indices):
+    def case():
+        grad, indices = make_grad(G34), make_indices(I3)
+        handled_or_refused(lambda: gops.embedding_backward(grad, indices, 8),
+                           lambda out: same(out, _ref_backward(G34, I3, 8)), (TypeError, ValueError), CLEAR_SUBCLASS)
+    return case
+
+
+def _lookup_sub(make_weight, make_indices):
+    def case():
+        weight, indices = make_weight(W54), make_indices(I3.clamp(max=4))
+        handled_or_refused(lambda: gops.embedding(weight, indices), lambda out: same(dense(out), W54[I3.clamp(max=4)]),
+                           (TypeError, ValueError), CLEAR_SUBCLASS)
+    return case
+
+
+def _quant_sub(make_x):
+    def case():
+        x = make_x(X)
+        handled_or_refused(lambda: gops.quantize_blockwise(x, 32),
+                           lambda out: (same(out[0], gops.quantize_blockwise(X, 32)[0]),
+                                        same(out[1], gops.quantize_blockwise(X, 32)[1])),
+                           (TypeError, ValueError), CLEAR_SUBCLASS)
+    return case
+
+
+def _refuses(fn, pattern=LAYOUT_WORDS, types=(TypeError, ValueError)):
+    return lambda: refused(fn, types, pattern)
+
+
+def _keep(t):
+    return t
+
+
+ISOLATED_OPS = {
+    "eb-grad-subclass": _eb_sub(as_sub, _keep),
+    "eb-indices-subclass": _eb_sub(_keep, as_sub),
+    "eb-grad-wrapper": _eb_sub(Wrapper, _keep),
+    "eb-both-wrapper": _eb_sub(Wrapper, Wrapper),
+    "eb-grad-sparse-coo": _refuses(lambda: gops.embedding_backward(G34.to_sparse(), I3, 8)),
+    "eb-grad-sparse-csr": _refuses(lambda: gops.embedding_backward(G34.to_sparse_csr(), I3, 8)),
+    "eb-indices-sparse": _refuses(lambda: gops.embedding_backward(G34, I3.to_sparse(), 8)),
+    "eb-grad-nested": _refuses(lambda: gops.embedding_backward(_nested_float(), _nested_index(), 8),
+                               types=NESTED_REFUSAL),
+    # An empty [0, 2^40] gradient asks for a [2^20, 2^40] result (2^62 bytes) or a [2^30, 2^40] one (past int64).
+    "eb-result-2^62-bytes": _refuses(lambda: gops.embedding_backward(torch.empty(0, 2**40), idx(), 2**20),
+                                     r"memory|alloc|size|overflow|2\^", (ValueError, RuntimeError, MemoryError)),
+    "eb-result-past-int64": _refuses(lambda: gops.embedding_backward(torch.empty(0, 2**40), idx(), 2**30),
+                                     r"overflow|size|2\^", (ValueError, RuntimeError)),
+    "lookup-weight-subclass": _lookup_sub(as_sub, _keep),
+    "lookup-indices-subclass": _lookup_sub(_keep, as_sub),
+    "lookup-weight-wrapper": _lookup_sub(Wrapper, _keep),
+    # A sparse weight may go through torch's own kernel (the op's docstring: rare layouts), or be refused.
+    "lookup-weight-sparse-coo": _lookup_sub(lambda w: w.to_sparse(), _keep),
+    "lookup-weight-sparse-csr": _lookup_sub(lambda w: w.to_sparse_csr(), _keep),
+    "lookup-indices-sparse": _refuses(lambda: gops.embedding(W54, I3.clamp(max=4).to_sparse())),
+    # A nested tensor may be refused by the dispatcher itself (NotImplementedError naming NestedTensor).
+    "lookup-indices-nested": _refuses(lambda: gops.embedding(W54, _nested_index()), types=NESTED_REFUSAL),
+    "lookup-weight-nested": _refuses(lambda: gops.embedding(_nested_float(), I3), types=NESTED_REFUSAL),
+    "nn-embedding-nested-indices": _refuses(lambda: graphsafe.nn.Embedding(5, 4)(_nested_index()),
+                                            types=NESTED_REFUSAL),
+    "quant-subclass": _quant_sub(as_sub),
+    "quant-wrapper": _quant_sub(Wrapper),
+    "quant-sparse-coo": _refuses(lambda: gops.quantize_blockwise(X.to_sparse(), 32)),
+    "quant-sparse-csr": _refuses(lambda: gops.quantize_blockwise(X.to_sparse_csr(), 32)),
+    "quant-nested": _refuses(lambda: gops.quantize_blockwise(_nested_float(), 32), types=NESTED_REFUSAL),
+    "dequant-codes-sparse": _refuses(lambda: gops.dequantize_blockwise(CODES.to_sparse(), ABSMAX)),
+    "dequant-absmax-sparse": _refuses(lambda: gops.dequantize_blockwise(CODES, ABSMAX.to_sparse())),
+    "dequant-codes-subclass": lambda: handled_or_refused(
+        lambda: gops.dequantize_blockwise(as_sub(CODES), ABSMAX),
+        lambda out: same(out, gops.dequantize_blockwise(CODES, ABSMAX)), (TypeError, ValueError), CLEAR_SUBCLASS),
+}
+
+isolated_ops_results = isolated_fixture(__name__, "ISOLATED_OPS")
+
+
+@pytest.mark.parametrize("case", ISOLATED_OPS)
+def test_ops_on_unreadable_tensors_refuse_without_crashing(isolated_ops_results, case):
+    check_isolated(isolated_ops_results, case)
+
+
+# --------------------------------------------------------------------------------------------------------
+# CUDA mixing (skipped without a GPU)
+# --------------------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+def test_cuda_mixed_devices_are_refused():
+    cuda = torch.device("cuda")
+    refused(eb(G34.to(cuda), I3), ValueError, r"cuda.*cpu|cpu.*cuda")
+    refused(eb(G34, I3.to(cuda)), ValueError, r"cuda.*cpu|cpu.*cuda")
+    refused(lookup(W54.to(cuda), I3.clamp(max=4)), ValueError, r"cuda.*cpu|cpu.*cuda")
+    refused(dequant(CODES.to(cuda), ABSMAX), ValueError, r"cuda.*cpu|cpu.*cuda")
+    emb = graphsafe.nn.Embedding(5, 4, device=cuda)
+    refused(lambda: emb(I3.clamp(max=4)), ValueError, r"cuda.*cpu|cpu.*cuda")
+
+
+# --------------------------------------------------------------------------------------------------------
+# graphsafe.compile_step (lightly)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _model_and_opt():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+    return model, graphsafe.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _loss(out, y):
+    return ((out.squeeze(-1) - y) ** 2).mean()
+
+
+def _two_device_model():
+    model, opt = _model_and_opt()
+    model[2].bias = torch.nn.Parameter(torch.zeros(1, device="meta"))
+    return model, opt
+
+
+COMPILE_REFUSED = {
+    "bad-mode": (lambda: graphsafe.compile_step(*_model_and_opt()[:1], _loss, _model_and_opt()[1], mode="fast"),
+                 ValueError, r"mode.*auto"),
+    "not-an-optimizer": (lambda: graphsafe.compile_step(_model_and_opt()[0], _loss, [1, 2]), TypeError,
+                         r"optimizer"),
+    "warmup-0": (lambda: graphsafe.compile_step(*_model_and_opt()[:1], _loss, _model_and_opt()[1], warmup_steps=0),
+                 ValueError, r"warmup_steps"),
+    "model-on-cpu-and-meta": (lambda: graphsafe.compile_step(_two_device_model()[0], _loss, _model_and_opt()[1]),
+                              ValueError, r"one device"),
+    "batch-not-tensors": (lambda: graphsafe.compile_step(*_model_and_opt()[:1], _loss, _model_and_opt()[1])("abc"),
+                          TypeError, r"batch"),
+    "batch-empty-tuple": (lambda: graphsafe.compile_step(*_model_and_opt()[:1], _loss, _model_and_opt()[1])(()),
+                          TypeError, r"batch"),
+}
+
+
+@pytest.mark.parametrize("case", COMPILE_REFUSED)
+def test_compile_step_refuses(case):
+    fn, types, pattern = COMPILE_REFUSED[case]
+    refused(fn, types, pattern, f"compile_step[{case}]")
+
+
+def test_compiled_step_refuses_another_batch_form_and_changes_nothing():
+    model, opt = _model_and_opt()
+    step = graphsafe.compile_step(model, _loss, opt)
+    x, y = torch.tensor([[0, 1], [2, 5]]), torch.tensor([0.5, -0.5])
+    step((x, y))
+    before = [p.detach().clone() for p in model.parameters()]
+    for bad in [(x[:1], y[:1]), (x.int(), y), (x.to(META), y.to(META)), (x,), (x, y, y)]:
+        exc = refused(lambda: step(bad), ValueError, r"batch", "compiled step on another batch form")
+        assert type(exc).__name__ == "InputMismatchError", type(exc)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    step((x, y))  # still steps
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
