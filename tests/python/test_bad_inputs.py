@@ -27,6 +27,7 @@ import graphsafe
 import graphsafe.ops as gops
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NAN, INF = float("nan"), float("inf")
 CUDA = torch.cuda.is_available() and graphsafe.cuda_backend_built()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and graphsafe's CUDA backend")
 
@@ -521,12 +522,18 @@ def test_dequantize_with_zero_stride_absmax():
     same(out, gops.dequantize_blockwise(codes, absmax, 32))
 
 
-def test_quantize_non_finite_values_as_documented():
-    x = torch.tensor([1.0, float("inf"), -2.0] + [0.5] * 29 + [float("nan")] + [0.25] * 31)
-    codes, absmax = gops.quantize_blockwise(x, 32)
-    assert absmax[0].item() == torch.finfo(torch.float32).max  # inf stored as FLT_MAX
-    assert absmax[1].isnan()  # NaN stays NaN: the block's absmax is NaN
-    assert torch.isfinite(gops.dequantize_blockwise(codes, absmax, 32)[:32]).all()
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_non_finite_values_leave_their_block_as_a_zero_would(signed):
+    """DESIGN.md: one non-finite value never damages its block's scale or its neighbours' codes. As
+    src/optim/blockwise.h now states it: a non-finite value is stored as 0 and takes no part in the absmax, so
+    the block is quantised exactly as with 0 in its place. (docs/optim.md said before: inf as FLT_MAX, NaN
+    makes the absmax NaN.)"""
+    x = torch.tensor([1.0, INF, -2.0] + [0.5] * 29 + [NAN] + [0.25] * 30 + [-INF] + [0.125] * 32)
+    zeroed = torch.where(torch.isfinite(x), x, torch.zeros(()))
+    codes, absmax = gops.quantize_blockwise(x, 32, signed)
+    ref_codes, ref_absmax = gops.quantize_blockwise(zeroed, 32, signed)
+    same(absmax, ref_absmax, "absmax")
+    same(codes, ref_codes, "codes")
 
 
 @pytest.mark.parametrize("signed", [True, False])
