@@ -271,6 +271,8 @@ EB_REFUSED = {
     "indices-past-int32-count-meta": (eb(torch.empty(2**31, 1, device=META), torch.empty(2**31, dtype=torch.int64,
                                                                                         device=META)),
                                       ValueError, r"2\^31|indices"),
+    "2^31-indices-zero-stride": (eb(torch.zeros(1, 1).expand(2**31 + 1, 1), idx(0).expand(2**31 + 1)), ValueError,
+                                 r"contiguous|2\^31"),
     # [2^30, 2^40] has 2^70 elements: no int64 can count the result.
     "result-past-int64-meta": (eb(torch.empty(0, 2**40, device=META), torch.empty(0, dtype=torch.int64, device=META),
                                   num_weights=2**30), (ValueError, RuntimeError), r"overflow|size|num_weights|2\^"),
