@@ -121,6 +121,9 @@ def _stream_of(device: torch.device) -> int:
 
 
 def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:
+    if weight.layout != torch.strided or indices.layout != torch.strided:
+        raise TypeError(f"embedding: weight and indices must be dense (strided) tensors, got {weight.layout} and "
+                        f"{indices.layout}")
     if weight.dim() != 2:
         raise ValueError(f"embedding: weight must be 2-D [num_weights, D], got shape {tuple(weight.shape)}")
     if indices.dtype not in _INDEX_DTYPES:

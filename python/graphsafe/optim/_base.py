@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections import defaultdict
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, is_not, itemgetter
@@ -122,6 +123,7 @@ def _lr_tensor(lr: float | Tensor, device: torch.device) -> Tensor:
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"lr must be a number or a one-element tensor, got a tensor of shape {tuple(lr.shape)}")
+        require_readable("optimizer", "lr", lr)
         return lr.detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
     return torch.tensor(float(lr), dtype=torch.float32, device=device)
 
@@ -134,6 +136,8 @@ def _check_lr(lr: Any) -> None:
         if lr.numel() != 1:
             raise ValueError(f"lr must be a number or a one-element tensor, got a tensor of shape {tuple(lr.shape)}")
         require_readable("optimizer", "lr", lr)
+        if lr.is_complex() or lr.dtype == torch.bool:
+            raise TypeError(f"lr must be a real number, got a {_dtype_text(lr.dtype)} tensor")
         value = float(lr.detach().to("cpu", torch.float64))
     else:
         try:
@@ -260,8 +264,10 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         which differs only when dampening != 0). A loaded state (loading=True) that lacks one of its
         algorithm's states is an incomplete checkpoint: ValueError, instead of a silent restart from zeros."""
         state = self.state[p]
-        if "step" not in state and loading:
-            state["step"] = self._step_of_loaded_state(state)
+        if loading:
+            if "step" not in state:
+                state["step"] = self._step_of_loaded_state(state)
+            _check_loaded_step(f"{type(self).__name__}.load_state_dict", state["step"])
         step = state.get("step", 0.0)
         if not _has_form(step, torch.float32, (), p.device):
             state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
@@ -525,8 +531,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         their addresses."""
         try:
             key_ptrs = [list(map(Tensor.data_ptr, key_tensors)) for key_tensors in tensors]
-        except TypeError:  # a state that is not a tensor: the full check names it
-            key_ptrs = None
+        except (TypeError, RuntimeError):  # a state that is not a tensor, or one without storage: the full check
+            key_ptrs = None                 # names it
         self._check_states_once(group, kind, params, states, names, tensors, key_ptrs, shapes)
         return _core_call(param_ptrs, list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels)
 
@@ -677,6 +683,8 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
         bf16 (state_bits=16); states move to their parameter's device; lr moves with its group. A state of the
         wrong shape raises ValueError.
         """
+        owner = f"{type(self).__name__}.load_state_dict"
+        _check_state_dict_structure(owner, state_dict)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -693,6 +701,11 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if saved_id not in id_to_param:
                 continue
             p = id_to_param[saved_id]
+            if not isinstance(values, dict):
+                raise TypeError(f"{owner}: a saved parameter state must be a dict, got {type(values).__name__}")
+            for key, value in values.items():
+                if isinstance(value, Tensor):
+                    require_readable(owner, f"the saved state '{key}' of a parameter of shape {tuple(p.shape)}", value)
             state[p] = {
                 k: v.detach().to(device=p.device, copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)
                 for k, v in values.items()
@@ -703,6 +716,9 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             # Options the saved groups lack (a torch.optim state_dict has no skip_zeros, ...) keep this
             # optimizer's values; everything saved wins, as in torch.
             new = {k: v for k, v in group.items() if k != "params"}
+            for k, v in saved.items():
+                if isinstance(v, Tensor):
+                    require_readable(owner, f"the saved param group's '{k}'", v)
             new.update({
                 k: v.detach().to(device=device, copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)
                 for k, v in saved.items()
@@ -933,8 +949,46 @@ def _state_forms(p: Tensor, names: list[str], bits: int, block_size: int) -> lis
 
 
 def _has_form(t: Any, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
-    return isinstance(t, Tensor) and t.dtype is dtype and tuple(t.shape) == shape and t.device == device \
-        and t.is_contiguous()
+    """Whether t is a tensor the core can read (see _tensor_checks) of this dtype, shape and device, contiguous."""
+    return unreadable_reason(t) is None and t.dtype is dtype \
+        and tuple(t.shape) == shape and t.device == device and t.is_contiguous()
+
+
+def _check_state_dict_structure(owner: str, state_dict: Any) -> None:
+    """TypeError unless state_dict has the shape of an optimizer's: a dict with a 'state' dict and a
+    'param_groups' list of dicts, each with its 'params' list (what load_state_dict reads before anything else)."""
+    expected = "a state_dict: a dict with 'state' (a dict) and 'param_groups' (a list of dicts with 'params')"
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{owner}: expected {expected}, got {type(state_dict).__name__}")
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise ValueError(f"{owner}: the state_dict has no '{key}' (it has {sorted(map(str, state_dict))}); "
+                             f"expected {expected}")
+    if not isinstance(state_dict["state"], dict) or not isinstance(state_dict["param_groups"], (list, tuple)):
+        raise TypeError(f"{owner}: expected {expected}, got 'state' a {type(state_dict['state']).__name__} and "
+                        f"'param_groups' a {type(state_dict['param_groups']).__name__}")
+    for group in state_dict["param_groups"]:
+        if not isinstance(group, dict):
+            raise TypeError(f"{owner}: a saved param group must be a dict, got {type(group).__name__}")
+        if not isinstance(group.get("params"), (list, tuple)):
+            raise ValueError(f"{owner}: a saved param group has no 'params' list (it has {sorted(map(str, group))})")
+
+
+def _check_loaded_step(owner: str, step: Any) -> None:
+    """ValueError/TypeError unless a loaded step count is a number or a one-element real tensor, finite and >= 0."""
+    if isinstance(step, Tensor):
+        require_readable(owner, "the saved state 'step'", step)
+        if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
+            raise ValueError(f"{owner}: the saved state 'step' must be a number or a one-element real tensor, got a "
+                             f"{_dtype_text(step.dtype)} tensor of shape {tuple(step.shape)}")
+        value = float(step.detach().to("cpu", torch.float64))
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        value = float(step)
+    else:
+        raise TypeError(f"{owner}: the saved state 'step' must be a number or a one-element tensor, got "
+                        f"{type(step).__name__} {step!r}")
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{owner}: the saved state 'step' must be finite and >= 0, got {value}")
 
 
 def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: list[str], bits: int,
@@ -945,9 +999,9 @@ def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: li
     for key, dtype, shape in _state_forms(p, names, bits, block_size):
         t = state[key]
         if not _has_form(t, dtype, shape, p.device):
-            got = (f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor "
-                   f"of shape {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor)
-                   else f"not a tensor but {type(t).__name__} {t!r}")
+            got = unreadable_reason(t) or (
+                f"a {'contiguous' if t.is_contiguous() else 'non-contiguous'} {_dtype_text(t.dtype)} tensor of shape "
+                f"{tuple(t.shape)} on {t.device}")
             raise ValueError(
                 f"{owner}: state '{key}' of a parameter of shape {tuple(p.shape)} is {got}; the step writes it in "
                 f"place as a contiguous {_dtype_text(dtype)} tensor of shape {shape} on {p.device} (a state "
@@ -981,6 +1035,9 @@ def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, where: str) -> T
         return None
     if not isinstance(value, Tensor):
         raise ValueError(f"{where}: state '{name}' is not a tensor")
+    if not (value.is_floating_point() or value.dtype == torch.uint8):  # (uint8: 8-bit codes)
+        raise ValueError(f"{where}: state '{name}' is a {_dtype_text(value.dtype)} tensor; optimizer states are "
+                         "floating-point (or 8-bit codes, uint8, with their absmax and map)")
     absmax, qmap = state.get(f"{name}_absmax"), state.get(f"{name}_qmap")
     if value.dtype == torch.uint8:
         if not (isinstance(absmax, Tensor) and isinstance(qmap, Tensor)):

@@ -145,14 +145,16 @@ class Adagrad(GraphsafeOptimizer):
                  skip_zeros=False, state_bits=32, block_size=256,
                  min_8bit_size=4096):
         _reject_differentiable(type(self).__name__, differentiable)
-        if initial_accumulator_value < 0.0:
-            raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
         defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, maximize=maximize)
         super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
+        # Not a core option (it only fills new states), so checked here, wherever the options are read: at
+        # construction, add_param_group, load_state_dict and every step.
+        if not float(group["initial_accumulator_value"]) >= 0.0:
+            raise ValueError(f"Invalid initial_accumulator_value value: {group['initial_accumulator_value']}")
         return dict(lr_decay=float(group["lr_decay"]), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]))
 
