@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -171,15 +172,36 @@ def run_isolated(module: str, table: str, names, timeout: float = 240.0) -> dict
     return results
 
 
+_STARTED: dict[tuple[str, str], tuple[threading.Thread, dict]] = {}
+
+
+def _start_isolated(module: str, table_name: str) -> tuple[threading.Thread, dict]:
+    """Runs the table's cases in a background thread (once): the child Python works while the in-process tests
+    of the module run."""
+    if (module, table_name) not in _STARTED:
+        names, box = list(getattr(sys.modules[module], table_name)), {}
+        thread = threading.Thread(target=lambda: box.update(results=run_isolated(module, table_name, names)),
+                                  daemon=True)
+        thread.start()
+        _STARTED[module, table_name] = (thread, box)
+    return _STARTED[module, table_name]
+
+
 def isolated_fixture(module: str, table_name: str):
-    """A module-scoped fixture running every case of `table_name` once, in a child Python."""
+    """Two module-scoped fixtures: one (autouse) starts every case of `table_name` in a child Python when the
+    module's first test runs; the other waits for their results ({name: (passed, error)})."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def start():
+        _start_isolated(module, table_name)
 
     @pytest.fixture(scope="module")
     def results():
-        table = getattr(sys.modules[module], table_name)
-        return run_isolated(module, table_name, list(table))
+        thread, box = _start_isolated(module, table_name)
+        thread.join()
+        return box["results"]
 
-    return results
+    return start, results
 
 
 def check_isolated(results: dict[str, tuple[bool, str]], name: str) -> None:
@@ -194,40 +216,6 @@ def gen_tensor(*shape, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
 
 def idx(*values, dtype=torch.int64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
-
-
-# --------------------------------------------------------------------------------------------------------
-# import graphsafe (fresh interpreter, outside the source tree)
-# --------------------------------------------------------------------------------------------------------
-
-IMPORT_CASES = {
-    "graph-attribute": "import graphsafe\nassert callable(graphsafe.graph.capture_gate)",
-    "hasattr-graph": "import graphsafe\nassert hasattr(graphsafe, 'graph')",
-    "star-import": "from graphsafe import *\nassert graph.capture_gate and compile_step and ops and optim and nn",
-    "missing-attribute-then-compile_step": (
-        "import graphsafe\ntry:\n    graphsafe.no_such_name\nexcept AttributeError as e:\n"
-        "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit('no AttributeError')\n"
-        "assert callable(graphsafe.compile_step)"),
-}
-
-
-@pytest.fixture(scope="module")
-def import_results(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("fresh_import")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    procs = {name: subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, code in IMPORT_CASES.items()}
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=120)
-        out[name] = (proc.returncode, stderr)
-    return out
-
-
-@pytest.mark.parametrize("case", IMPORT_CASES)
-def test_import_in_a_fresh_interpreter(import_results, case):
-    rc, stderr = import_results[case]
-    assert rc == 0, f"{IMPORT_CASES[case]!r} failed in a fresh interpreter (exit {rc}): {stderr[-1500:]}"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -642,7 +630,7 @@ ISOLATED_OPS = {
         lambda out: same(out, gops.dequantize_blockwise(CODES, ABSMAX)), (TypeError, ValueError), CLEAR_SUBCLASS),
 }
 
-isolated_ops_results = isolated_fixture(__name__, "ISOLATED_OPS")
+_start_isolated_ops, isolated_ops_results = isolated_fixture(__name__, "ISOLATED_OPS")
 
 
 @pytest.mark.parametrize("case", ISOLATED_OPS)
@@ -722,3 +710,38 @@ def test_compiled_step_refuses_another_batch_form_and_changes_nothing():
         assert torch.equal(p.detach(), b)
     step((x, y))  # still steps
     assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+# --------------------------------------------------------------------------------------------------------
+# import graphsafe (fresh interpreters, outside the source tree; started with the module's first test)
+# --------------------------------------------------------------------------------------------------------
+
+IMPORT_CASES = {  # each the first use of graphsafe.graph in its interpreter
+    "graph-attribute": "import graphsafe\nassert callable(graphsafe.graph.capture_gate)",
+    "hasattr-graph-then-compile_step": (
+        "import graphsafe\nassert hasattr(graphsafe, 'graph')\nassert callable(graphsafe.compile_step)\n"
+        "try:\n    graphsafe.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+        "else:\n    raise SystemExit('no AttributeError')"),
+    "star-import": "from graphsafe import *\nassert graph.capture_gate and compile_step and ops and optim and nn",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def import_processes(tmp_path_factory):
+    """Started when the module's first test runs, read by test_import_in_a_fresh_interpreter."""
+    cwd = tmp_path_factory.mktemp("fresh_import")  # not the source tree: the installed graphsafe
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, code in IMPORT_CASES.items()}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("case", IMPORT_CASES)
+def test_import_in_a_fresh_interpreter(import_processes, case):
+    _, stderr = import_processes[case].communicate(timeout=180)
+    rc = import_processes[case].returncode
+    assert rc == 0, f"{IMPORT_CASES[case]!r} failed in a fresh interpreter (exit {rc}): {stderr[-1500:]}"

@@ -802,7 +802,7 @@ ISOLATED_OPTIM = {
                                        NESTED_REFUSAL, r"exp_avg|nested"),
 }
 
-isolated_optim_results = isolated_fixture(__name__, "ISOLATED_OPTIM")
+_start_isolated_optim, isolated_optim_results = isolated_fixture(__name__, "ISOLATED_OPTIM")
 
 
 @pytest.mark.parametrize("case", ISOLATED_OPTIM)
