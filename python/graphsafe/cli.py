@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+import math
+import os
+import sys
+from typing import Callable, Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="graphsafe",
         description="Deterministic, CUDA-graph-capturable training steps for embedding-heavy models.",
     )
+    parser.add_argument("--version", action="version", version=f"graphsafe {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train(commands)
     _add_bench(commands)
@@ -19,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train(commands) -> None:
-    from .trainer.run import MATMUL_PRECISIONS, OPTIMIZERS, SIZES
+    from .trainer.run import MATMUL_PRECISIONS, MIN_VOCAB, OPTIMIZERS, SEED_RANGE, SIZES
 
     cpu, cuda = SIZES["cpu"], SIZES["cuda"]
     train = commands.add_parser(
@@ -38,17 +44,19 @@ def _add_train(commands) -> None:
                        help="lm: small transformer LM (default); recsys: recommender with large embedding tables")
     train.add_argument("--moe", action="store_true", help="lm: a top-1 mixture-of-experts layer (half the experts start cold)")
     train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="graphsafe optimizer (default adamw)")
-    train.add_argument("--lr", type=float, help="learning rate (default: per optimizer, see trainer/run.py)")
+    train.add_argument("--lr", type=_positive_float, help="learning rate (default: per optimizer, see trainer/run.py)")
     train.add_argument("--state-bits", type=int, choices=(32, 16, 8), default=32, help="optimizer state bits (default 32)")
     train.add_argument("--skip-zeros", action="store_true", help="leave elements with an exactly-zero gradient untouched")
     train.add_argument("--mode", choices=("auto", "full", "piecewise", "eager"), default="auto",
                        help="capture mode (default auto: full if the gate passes, else piecewise, else eager)")
     train.add_argument("--steps", type=_positive_int, help="training steps (default: cpu 30, cuda 200)")
     train.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when usable, else cpu")
-    train.add_argument("--seed", type=int, default=0, help="seed for the model, the data and the chain (default 0)")
+    train.add_argument("--seed", type=_seed(*SEED_RANGE), default=0,
+                       help="seed for the model, the data and the chain (default 0)")
     train.add_argument("--batch-size", type=_positive_int, help="sequences (lm) or rows (recsys) per step")
     train.add_argument("--seq-len", type=_positive_int, help="lm sequence length")
-    train.add_argument("--vocab", type=_positive_int, help="lm vocabulary / recsys item count (default 32768)")
+    train.add_argument("--vocab", type=_int_at_least(MIN_VOCAB),
+                       help=f"lm vocabulary / recsys item count (default 32768, at least {MIN_VOCAB})")
     train.add_argument("--dim", type=_positive_int, help="model width")
     train.add_argument("--layers", type=_positive_int, help="lm transformer blocks")
     train.add_argument("--matmul", choices=MATMUL_PRECISIONS,
@@ -58,7 +66,7 @@ def _add_train(commands) -> None:
                        help="train twice from the seed and compare the final parameters bitwise")
     train.add_argument("--compare-torch", action="store_true",
                        help="also time a plain eager PyTorch loop (torch.nn.Embedding, torch.optim.AdamW, fused on cuda)")
-    train.set_defaults(handler=_run_train)
+    train.set_defaults(handler=_run_train, parser=train)
 
 
 def _add_bench(commands) -> None:
@@ -84,9 +92,9 @@ def _add_bench(commands) -> None:
         "--repeats", type=_positive_int,
         help="timed repeats per measurement (default: cuda 30, 20 quick; cpu 10 quick, 3 full)",
     )
-    bench.add_argument("--json-out", metavar="FILE", help="also write the JSON lines to FILE")
-    bench.add_argument("--seed", type=int, default=0, help="seed for indices and gradients (default 0)")
-    bench.set_defaults(handler=_run_bench)
+    bench.add_argument("--json-out", metavar="FILE", type=_writable_file, help="also write the JSON lines to FILE")
+    bench.add_argument("--seed", type=_seed(0, 2**32 - 1), default=0, help="seed for indices and gradients (default 0)")
+    bench.set_defaults(handler=_run_bench, parser=bench)
 
 
 def _add_demo(commands) -> None:
@@ -96,14 +104,66 @@ def _add_demo(commands) -> None:
         description="Embedding backward of a small table, graphsafe vs aten vs index_add, on cuda if usable.",
     )
     demo.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when usable, else cpu")
-    demo.set_defaults(handler=_run_demo)
+    demo.set_defaults(handler=_run_demo, parser=demo)
+
+
+# Argument converters. argparse names a converter by its __name__ in "invalid <name> value" messages, so each
+# raises ArgumentTypeError with its own wording instead.
+
+def _integer(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid {what} value: {text!r}") from None
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        value = _integer(text, "integer")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    convert.__name__ = f"integer >= {minimum}"
+    return convert
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text, "positive integer")
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _seed(low: int, high: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        value = _integer(text, "seed")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {value}")
+        return value
+
+    convert.__name__ = "seed"
+    return convert
+
+
+def _writable_file(text: str) -> str:
+    """FILE for --json-out: its folder must exist (checked now, not after the first suite ran)."""
+    folder = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {folder!r} does not exist")
+    return text
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -119,6 +179,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from .bench.harness import resolve_device
     from .trainer import default_config, train
+    from .trainer.run import ConfigError, check_config
 
     device = resolve_device(args.device)
     config = default_config(
@@ -127,8 +188,28 @@ def _run_train(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers, matmul=args.matmul,
         check_determinism=args.check_determinism, compare_torch=args.compare_torch,
     )
-    train(config)
+    try:
+        check_config(config)
+    except ConfigError as exc:
+        args.parser.error(str(exc))
+    try:
+        train(config)
+    except (MemoryError, RuntimeError) as exc:  # check_config's memory estimate is only a lower bound
+        if not _out_of_memory(exc):
+            raise
+        args.parser.exit(1, f"{args.parser.prog}: error: out of memory on {device} ({_first_line(exc)}); "
+                            "try smaller sizes (--vocab, --dim, --batch-size, --seq-len)\n")
     return 0
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -139,7 +220,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print(f"\n{args.parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

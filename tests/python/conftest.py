@@ -386,3 +386,28 @@ def libgomp():
         return lib
     except OSError:
         return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Skip reasons in the summary
+# --------------------------------------------------------------------------------------------------------
+
+
+def _skip_reason(report) -> str:
+    """A skipped report's reason (pytest keeps (path, line, "Skipped: reason") in longrepr)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say why tests were skipped, one line per reason with its count (without a GPU about a thousand CUDA tests
+    skip; pytest's final line only counts them, and -rs would list them test function by test function)."""
+    from collections import Counter
+
+    reasons = Counter(_skip_reason(r) for r in terminalreporter.stats.get("skipped", ()))
+    if not reasons:
+        return
+    terminalreporter.write_sep("-", "skip reasons")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:6d} skipped: {reason}")

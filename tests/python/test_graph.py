@@ -602,3 +602,10 @@ def test_train_matmul_precision_is_scoped_to_cuda_runs():
         assert matmul.allow_tf32 == before
     with pytest.raises(SystemExit, match="unknown matmul precision"), matmul_precision(default_config("cuda", matmul="bf16")):
         pass
+
+
+def test_compile_step_refuses_a_model_without_parameters():
+    """A model without parameters has nothing to train: say so, instead of "one device, got []"."""
+    optimizer = graphsafe.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match=r"compile_step: the model has no parameters \(nothing to train\)"):
+        graphsafe.compile_step(torch.nn.ReLU(), lambda out, y: (out - y).pow(2).sum(), optimizer)

@@ -192,6 +192,8 @@ def _optimizer_not_capturable(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
+    if next(model.parameters(), None) is None:
+        raise ValueError("compile_step: the model has no parameters (nothing to train)")
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) != 1:
         raise ValueError(f"compile_step needs all parameters and buffers on one device, got {sorted(map(str, devices))}")

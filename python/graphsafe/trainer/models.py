@@ -104,9 +104,10 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("position_ids", torch.arange(seq_len), persistent=False)
+        # Token rows keep nn.Embedding's N(0, 1) init (row 0, the padding row, zero). With GPT-2's 0.02 the
+        # residual stream would start dominated by attention's near-uniform average, which every token shares:
+        # top-1 routing then sends almost every token to one expert instead of spreading them over the warm half.
         with torch.no_grad():
-            self.tokens.weight.normal_(0.0, 0.02)
-            self.tokens.weight[0].zero_()
             self.positions.weight.normal_(0.0, 0.02)
 
     def embed(self, ids: Tensor) -> Tensor:
@@ -119,13 +120,13 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
     @torch.no_grad()
-    def experts_without_tokens(self, ids: Tensor) -> int | None:
-        """How many experts of the MoE layer top-1 routing gives no token of this batch (None without MoE)."""
+    def experts_without_tokens(self, ids: Tensor) -> list[int] | None:
+        """The experts of the MoE layer to which top-1 routing gives no token of this batch (None without MoE)."""
         x = self.embed(ids)
         for block in self.blocks:
             if isinstance(block.mlp, MixtureOfExperts):
                 h = x + block.attn(block.norm1(x))
-                return int((block.mlp.tokens_per_expert(block.norm2(h)) == 0).sum())
+                return (block.mlp.tokens_per_expert(block.norm2(h)) == 0).nonzero().flatten().tolist()
             x = block(x)
         return None
 

@@ -9,6 +9,8 @@ state memory and, with --check-determinism, whether two runs end with bitwise id
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import statistics
 import sys
 import time
@@ -22,7 +24,8 @@ from ..graph import compile_step
 from .data import LMData, RecsysData
 from .models import MixtureOfExperts, RecsysModel, TransformerLM, lm_loss, recsys_loss
 
-__all__ = ["TrainConfig", "TrainResult", "train", "OPTIMIZERS", "MATMUL_PRECISIONS", "default_config", "matmul_precision"]
+__all__ = ["TrainConfig", "TrainResult", "ConfigError", "check_config", "train", "OPTIMIZERS", "MATMUL_PRECISIONS",
+           "default_config", "matmul_precision"]
 
 # name -> (class, default options). Learning rates are chosen so the demo's loss falls within 20 steps.
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -36,6 +39,16 @@ OPTIMIZERS: dict[str, tuple[type, dict]] = {
     "lars": (optim.LARS, dict(lr=1.0)),
     "ademamix": (optim.AdEMAMix, dict(lr=1e-2)),
 }
+
+# State tensors per parameter element with each optimizer's default options (for the memory estimate).
+_STATES_PER_ELEMENT = {"adam": 2, "adamw": 2, "sgd": 1, "rmsprop": 1, "adagrad": 1, "lion": 1, "lamb": 2, "lars": 1,
+                       "ademamix": 3}
+
+# Seeds go to torch.Generator.manual_seed (the data uses seed + 1 too); the range is numpy's, easy to state.
+SEED_RANGE = (0, 2**32 - 1)
+
+# The Markov chain and the recommender's Zipf ids need a few ids besides the padding id 0.
+MIN_VOCAB = 8
 
 # How CUDA runs fp32 matrix products ("tf32": tensor cores with 10-bit mantissa inputs, fp32 accumulation, the
 # usual setting for training on Ampere and later; "ieee": full fp32). Both are deterministic. The setting applies
@@ -87,6 +100,73 @@ def default_config(device: str, **overrides) -> TrainConfig:
     return TrainConfig(device=device, **sizes)
 
 
+class ConfigError(ValueError):
+    """A TrainConfig that cannot run; the message names the option as `graphsafe train` spells it."""
+
+
+def check_config(config: TrainConfig) -> None:
+    """Raise ConfigError for settings that cannot train: out-of-range numbers, combinations the models refuse,
+    or sizes whose parameters, gradients, optimizer states and largest activations alone exceed the device's
+    memory (checked before anything is allocated, so an absurd size fails at once instead of swapping)."""
+    if config.model not in ("lm", "recsys"):
+        raise ConfigError(f"unknown --model {config.model!r} (lm or recsys)")
+    if config.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown --optimizer {config.optimizer!r} ({', '.join(sorted(OPTIMIZERS))})")
+    if config.state_bits not in (32, 16, 8):
+        raise ConfigError(f"--state-bits must be 32, 16 or 8, got {config.state_bits}")
+    if config.moe and config.model != "lm":
+        raise ConfigError("--moe applies to --model lm only")
+    if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
+        raise ConfigError(f"--lr must be a positive finite number, got {config.lr}")
+    if not SEED_RANGE[0] <= config.seed <= SEED_RANGE[1]:
+        raise ConfigError(f"--seed must be an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}, got {config.seed}")
+    for name, value in (("--steps", config.steps), ("--batch-size", config.batch_size), ("--seq-len", config.seq_len),
+                        ("--dim", config.dim), ("--layers", config.layers)):
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if config.vocab < MIN_VOCAB:
+        raise ConfigError(f"--vocab must be >= {MIN_VOCAB}, got {config.vocab}")
+    if config.model == "lm" and config.dim % config.heads:
+        raise ConfigError(f"--dim must be a multiple of {config.heads} (the attention heads at the "
+                          f"{'cuda' if config.device.startswith('cuda') else 'cpu'} size), got {config.dim}")
+    needed, have = estimated_bytes(config), _memory_bytes(config.device)
+    where = f"{config.device}'s memory" if config.device.startswith("cuda") else "this machine's memory"
+    if have is not None and needed > have:
+        sizes = "--vocab, --dim, --batch-size or --seq-len" if config.model == "lm" else "--vocab, --dim or --batch-size"
+        raise ConfigError(f"these sizes need at least {needed / 2**30:.1f} GiB (parameters, gradients, optimizer "
+                          f"states, largest activations), more than the {have / 2**30:.1f} GiB of {where}; "
+                          f"lower {sizes}")
+
+
+def estimated_bytes(config: TrainConfig) -> int:
+    """A lower bound on the memory one run allocates: parameters, their gradients and optimizer states (fp32
+    parameters), the largest activations (the LM's logits and their gradient, attention scores) and the data."""
+    d, f32 = config.dim, 4
+    if config.model == "lm":
+        params = 2 * config.vocab * d + config.seq_len * d + config.layers * 12 * d * d
+        if config.moe:
+            params += config.experts * 4 * d * d
+        activations = (2 * config.batch_size * config.seq_len * config.vocab * f32
+                       + config.layers * config.seq_len ** 2 * (1 + config.batch_size * config.heads * f32))
+        data = config.vocab * 4 * 8
+    else:
+        params = (config.users + 2 * config.vocab + 1024) * d
+        activations = config.batch_size * 4 * d * 4 * f32
+        data = (config.users + config.vocab) * 8 * f32
+    states = _STATES_PER_ELEMENT.get(config.optimizer, 1) * config.state_bits // 8
+    return params * (2 * f32 + states) + activations + data
+
+
+def _memory_bytes(device: str) -> int | None:
+    """The device's total memory (None when unknown)."""
+    try:
+        if device.startswith("cuda"):
+            return torch.cuda.get_device_properties(torch.device(device)).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AssertionError):
+        return None
+
+
 @dataclass
 class RunStats:
     losses: list[float] = field(default_factory=list)
@@ -95,6 +175,20 @@ class RunStats:
     def median_ms(self, skip: int) -> float | None:
         times = self.step_ms[skip:] or self.step_ms
         return statistics.median(times) if times else None
+
+    def step_time(self, skip: int, first: str) -> str:
+        """The typical step time and what it measured: the median of the steps after the first `skip` (whose
+        one-off work, named by `first`, later steps do not repeat), or, with no step after them, the mean of all."""
+        n = len(self.step_ms)
+        head = "step 1" if skip == 1 else f"steps 1-{skip}"
+        if n == skip + 1:
+            return f"{self.step_ms[-1]:.2f} ms (step {n} alone; {head}: {first})"
+        if n > skip:
+            return f"{statistics.median(self.step_ms[skip:]):.2f} ms (median of steps {skip + 1}-{n}; {head}: {first})"
+        if n == 1:
+            return f"{self.step_ms[0]:.2f} ms (the only step, {first} included)"
+        return (f"{statistics.mean(self.step_ms):.2f} ms (mean of all {n} steps, {first} included: too few steps to "
+                f"leave {'it' if skip == 1 else 'them'} out)")
 
 
 @dataclass
@@ -116,17 +210,19 @@ def _build(config: TrainConfig):
                               config.experts if config.moe else 0)
         data = LMData(config.vocab, config.batch_size, config.seq_len, config.seed, device)
         loss_fn, inputs = lm_loss, 1
-        what = (f"transformer LM: vocab {config.vocab}, dim {config.dim}, {config.layers} layers"
-                + (f", top-1 MoE with {config.experts} experts (half start cold)" if config.moe else ""))
+        what = (f"transformer LM: vocab {config.vocab}, dim {config.dim}, {config.layers} layer"
+                f"{'s' if config.layers != 1 else ''}"
+                + (f", top-1 MoE with {config.experts} experts ({_cold_range(config.experts)} start cold)"
+                   if config.moe else ""))
     elif config.model == "recsys":
         if config.moe:
-            raise SystemExit("graphsafe train: --moe applies to --model lm only")
+            raise ConfigError("--moe applies to --model lm only")
         model = RecsysModel(config.users, config.vocab, 1024, config.dim)
         data = RecsysData(config.users, config.vocab, 1024, config.batch_size, config.seed, device)
         loss_fn, inputs = recsys_loss, 4
         what = f"recommender: {config.users} users, {config.vocab} items, dim {config.dim}"
     else:
-        raise SystemExit(f"graphsafe train: unknown model {config.model!r} (lm or recsys)")
+        raise ConfigError(f"unknown --model {config.model!r} (lm or recsys)")
     model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
     return model, data, loss_fn, inputs, f"{what} ({params / 1e6:.1f}M parameters)"
@@ -210,6 +306,12 @@ def _graph_run(config: TrainConfig, show=None, mode: str | None = None) -> Train
     return TrainResult(config, stats, step, model, optimizer, extra)
 
 
+def _cold_range(experts: int) -> str:
+    """The experts whose router bias starts low (MixtureOfExperts), e.g. "experts 4-7"."""
+    first, last = experts // 2, experts - 1
+    return f"expert {last}" if first == last else f"experts {first}-{last}"
+
+
 def _cold_expert_weights(model: torch.nn.Module) -> list[torch.Tensor] | None:
     for module in model.modules():
         if isinstance(module, MixtureOfExperts):
@@ -243,9 +345,9 @@ def eager_torch_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Run the configured training and the comparisons it asks for; print progress and the summary."""
-    if config.optimizer not in OPTIMIZERS:
-        raise SystemExit(f"graphsafe train: unknown optimizer {config.optimizer!r}")
+    """Run the configured training and the comparisons it asks for; print progress and the summary.
+    Settings that cannot train raise ConfigError (check_config) before anything is built."""
+    check_config(config)
     device = torch.device(config.device)
     matmul = f", {config.matmul} matmuls" if device.type == "cuda" else ""
     print(f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {device}{matmul}, {config.optimizer}"
@@ -258,10 +360,9 @@ def train(config: TrainConfig) -> TrainResult:
 def _train(config: TrainConfig) -> TrainResult:
     result = _graph_run(config, _Progress(config.steps) if config.progress else None)
     step = result.step
-    warm = getattr(step, "warmup_steps", 0) + 1
     if step.captured:  # the same traced graph without capture, for the eager-vs-captured line
         eager = _graph_run(replace(config, steps=min(config.steps, 20)), mode="eager")
-        result.extra["eager_ms"] = eager.stats.median_ms(1)
+        result.extra["eager_time"] = eager.stats.step_time(1, "the trace")
     if config.check_determinism:
         again = _graph_run(config)
         pairs = list(zip(result.model.parameters(), again.model.parameters()))
@@ -270,10 +371,10 @@ def _train(config: TrainConfig) -> TrainResult:
                                        else f"DIFFERENT: {differing} of {len(pairs)} parameter tensors differ")
     if config.compare_torch:
         torch_stats, torch_opt = _torch_baseline(config)
-        result.extra["torch_ms"] = torch_stats.median_ms(1)
+        result.extra["torch_time"] = torch_stats.step_time(1, "warm-up")
         result.extra["torch_final_loss"] = torch_stats.losses[-1]
         result.extra["torch_state_bytes"] = optim.state_bytes(torch_opt)
-    print(summary(result, warm))
+    print(summary(result))
     return result
 
 
@@ -287,14 +388,36 @@ def _mb(count: int) -> str:
     return f"{count / 2**20:.1f} MiB"
 
 
-def summary(result: TrainResult, warm: int) -> str:
+def _mode_label(config: TrainConfig, step) -> tuple[str, str, str]:
+    """(the mode that ran as the summary states it, its short form for the step-time row, what the first steps
+    did that later steps do not)."""
+    if not config.device.startswith("cuda"):
+        requested = "" if step.mode == "eager" else f"; {step.mode} asked for"
+        return f"eager (CPU: no CUDA graphs{requested})", "eager", "the trace"
+    if step.captured:
+        warm = step.warmup_steps
+        return (f"{step.mode} (captured)", f"{step.mode}, captured",
+                f"the trace, {warm} eager warm-up step{'s' if warm != 1 else ''} and the capture")
+    if step.mode != "eager":
+        return (f"{step.mode} (not captured yet: the capture is step {step.warmup_steps + 1})",
+                f"{step.mode}, not captured", "the trace")
+    return "eager", "eager", "the trace"
+
+
+def _first_steps(config: TrainConfig, step) -> int:
+    """How many steps of a run did one-off work (trace; on CUDA the warm-up steps and the capture)."""
+    return step.warmup_steps + 1 if step.captured else 1
+
+
+def summary(result: TrainResult) -> str:
     from ..bench.report import markdown_table
 
     config, stats, step, extra = result.config, result.stats, result.step, result.extra
     report = step.report
     device = config.device + (f" (fp32 matmuls: {config.matmul})" if config.device.startswith("cuda") else "")
     rows = [("model", extra["model"]), ("data", extra["data"]), ("device", device)]
-    rows.append(("mode used", f"{step.mode}{' (captured)' if step.captured else ''}: {report.decision}"))
+    label, short, first = _mode_label(config, step)
+    rows.append(("mode used", f"{label}: {report.decision}"))
     rows += [("fallback", f) for f in report.fallbacks]
     rewrites = report.rewrite.rewritten
     rows.append(("rewrites", f"{len(rewrites)} embedding backward(s) -> graphsafe.embedding_backward"
@@ -307,21 +430,23 @@ def summary(result: TrainResult, warm: int) -> str:
         names = ", ".join(f.node for f in findings[:4]) + (", ..." if len(findings) > 4 else "")
         rows.append((f"  {rule}", f"{names}: {findings[0].reason}"))
     rows.append(("loss", f"{stats.losses[0]:.4f} -> {stats.losses[-1]:.4f} ({len(stats.losses)} steps)"))
-    label = f"{step.mode}{', captured' if step.captured else ''}"
-    rows.append((f"step time ({label})", f"{stats.median_ms(warm):.2f} ms (median after the first {warm} steps)"))
-    if "eager_ms" in extra:
-        rows.append(("step time (same graph, eager)", f"{extra['eager_ms']:.2f} ms"))
-    if "torch_ms" in extra:
-        rows.append(("step time (PyTorch eager, AdamW)", f"{extra['torch_ms']:.2f} ms "
-                     f"(final loss {extra['torch_final_loss']:.4f})"))
+    rows.append((f"step time ({short})", stats.step_time(_first_steps(config, step), first)))
+    if "eager_time" in extra:
+        rows.append(("step time (same graph, eager)", extra["eager_time"]))
+    if "torch_time" in extra:
+        rows.append(("step time (PyTorch eager, AdamW)", f"{extra['torch_time']}; final loss "
+                     f"{extra['torch_final_loss']:.4f}"))
     state = optim.state_bytes(result.optimizer)
     line = f"{_mb(state)} ({config.optimizer}, {config.state_bits}-bit states)"
     if "torch_state_bytes" in extra:
         line += f"; torch.optim.AdamW: {_mb(extra['torch_state_bytes'])}"
     rows.append(("optimizer state", line))
     if "experts_without_tokens" in extra:
-        rows.append(("MoE", f"{extra['experts_without_tokens']} of {config.experts} experts got no token in a fresh "
-                     f"batch; cold experts' weights unchanged bitwise: {'yes' if extra['cold_experts_unchanged'] else 'no'}"
+        idle = extra["experts_without_tokens"]
+        names = ", ".join(map(str, idle)) if idle else "none"
+        rows.append(("MoE", f"{len(idle)} of {config.experts} experts got no token in a fresh batch ({names}; "
+                     f"{_cold_range(config.experts)} start cold); cold experts' weights unchanged bitwise: "
+                     f"{'yes' if extra['cold_experts_unchanged'] else 'no'}"
                      + ("" if config.skip_zeros else " (use --skip-zeros to leave them untouched)")))
     rows.append(("determinism", extra.get("determinism", "not checked (add --check-determinism)")))
     return "\n" + markdown_table(["", "result"], rows)
