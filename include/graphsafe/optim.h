@@ -5,6 +5,12 @@
 // captured in a CUDA graph follows an LR scheduler that updates that memory between replays. The other
 // hyperparameters are constants of a call (a captured graph keeps the values it was captured with).
 //
+// The learning rate must be >= 0 (+inf included, as torch allows); a NaN or negative one, which a scheduler or a
+// user may write into that memory at any time, is refused and the step changes nothing (no parameter, state or
+// step count): the CPU step throws std::invalid_argument before it writes anything; the CUDA step, which never
+// reads device memory on the host, has every kernel of the step read it, write nothing when it is invalid, and
+// record the error (OptimStepArgs::error) for the host to raise later.
+//
 // skip_zeros: where the raw gradient element is exactly zero (-0.0 included; NaN is not zero) the
 // parameter and all its states stay bit-identical: no weight decay, no momentum decay.
 #pragma once
@@ -15,6 +21,8 @@
 #include "graphsafe/types.h"
 
 namespace graphsafe {
+
+struct DeviceErrorRecord;  // graphsafe/errors.h
 
 enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix };
 
@@ -59,7 +67,10 @@ struct OptimTensor {
 struct OptimStepArgs {
   OptimOptions options;
   DType param_dtype = DType::Float32;  // Float32, Float16 or BFloat16 (params and grads)
-  const float* lr = nullptr;           // one float: the learning rate
+  const float* lr = nullptr;           // one float: the learning rate (>= 0, see the top of this file)
+  // CUDA: the record (graphsafe/errors.h, device_error_record()) in which the kernels report a NaN or negative
+  // learning rate; null: not reported (the step still writes nothing then). The CPU step throws instead.
+  DeviceErrorRecord* error = nullptr;
   // Add 1 to every tensor's step before the update (true: the step saves the caller a launch; false: the
   // caller has incremented them).
   bool increment_steps = false;

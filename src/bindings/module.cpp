@@ -254,6 +254,7 @@ NB_MODULE(_C, m) {
               optim_step_cpu(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes);
             },
             [&] {
+              args.error = device_error_record();  // a NaN or negative lr found by the kernels is reported there
               optim_step_cuda(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes,
                               reinterpret_cast<StreamHandle>(stream));
             });

@@ -1,4 +1,6 @@
 // The mapped pinned host record that kernels write their input errors into (see graphsafe/errors.h).
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -34,6 +36,17 @@ void ensure_record() {
   *host_record = DeviceErrorRecord{0, 0, 0};
   device_view = static_cast<DeviceErrorRecord*>(device);
 }
+
+// The message of DeviceErrorCode::InvalidLearningRate; the Python layer keys its ValueError on the first words.
+std::string invalid_learning_rate_message(uint32_t lr_bits) {
+  float lr = 0.0f;
+  std::memcpy(&lr, &lr_bits, sizeof(lr));
+  char value[32];
+  std::snprintf(value, sizeof(value), "%g", static_cast<double>(lr));
+  return std::string("invalid learning rate ") + value +
+         " in an optimizer's lr tensor (it must be >= 0), found on the GPU: that optimizer step changed no "
+         "parameter, state or step count";
+}
 }  // namespace
 
 DeviceErrorRecord* device_error_record() {
@@ -54,6 +67,8 @@ std::string take_device_error(bool clear) {
     message = "index " + std::to_string(record->bad_value) + " is out of range for an embedding with " +
               std::to_string(record->upper_bound) +
               " rows (found on the GPU and left out: a lookup gave a zero row, a gradient skipped it)";
+  else if (code == DeviceErrorCode::InvalidLearningRate)
+    message = invalid_learning_rate_message(static_cast<uint32_t>(record->bad_value));
   else
     message = "graphsafe device error code " + std::to_string(static_cast<int64_t>(code));
   return message;

@@ -15,4 +15,13 @@ __device__ inline void report_index_out_of_range(DeviceErrorRecord* error, int64
   record->code = static_cast<int64_t>(DeviceErrorCode::IndexOutOfRange);
 }
 
+// An optimizer step whose learning rate (read from device memory) is NaN or negative: the step wrote nothing.
+__device__ inline void report_invalid_learning_rate(DeviceErrorRecord* error, float lr) {
+  volatile DeviceErrorRecord* record = error;
+  record->bad_value = static_cast<int64_t>(__float_as_uint(lr));
+  record->upper_bound = 0;
+  __threadfence_system();
+  record->code = static_cast<int64_t>(DeviceErrorCode::InvalidLearningRate);
+}
+
 }  // namespace graphsafe

@@ -1,8 +1,14 @@
 // 8-bit blockwise quantisation of optimizer states, shared by both backends (docs/optim.md "8-bit states").
 //
 // A state tensor is cut into blocks of `block_size` consecutive elements. Each block keeps one fp32 absmax
-// (the largest |value|, NaN if any value is NaN) and one 8-bit code per element; the value is
-// map[code] * absmax. The maps are non-linear ("dynamic": a sign, a decade and a linear fraction), dense
+// (the largest |value| among its finite values, 0 if it has none) and one 8-bit code per element; the value
+// is map[code] * absmax. A value that is not finite (NaN, ±inf) is stored as 0 (the code of 0) and takes no
+// part in the absmax: a block is quantised exactly as it would be with 0 in its place, so one non-finite
+// element never changes its neighbours' scale or codes (docs/optim.md, "Non-finite values"). Why 0 and not
+// the ends of the map (±absmax) for ±inf: a stored ±absmax would be the block's largest value again in the
+// next step and keep setting its neighbours' scale; 0 is neutral for every state (moments, sums of squares),
+// needs one rule for NaN and ±inf alike, and the element's parameter carries the damage anyway (as with
+// 32-bit states: it is NaN or ±inf from that step on). The maps are non-linear ("dynamic": a sign, a decade and a linear fraction), dense
 // near zero where optimizer moments live and exact at 0 and ±1:
 //   unsigned (second moments, sums of squares): 0, 1, and in each decade [0.1, 1] * 10^-d, d = 0..6,
 //     2^(7-d) levels at the midpoints of equal steps (128 + 64 + ... + 2 = 254 levels);
@@ -60,8 +66,8 @@ GS_HD constexpr int zero_code(bool is_signed) { return is_signed ? kSignedZeroCo
 
 // The definition of the code of x = value / absmax (|x| <= 1 up to rounding) in `map`: the nearest map
 // value, the one nearer zero on an exact tie. Values outside [-1, 1] clamp to the ends; NaN gives the code
-// of 0 (the block's absmax is NaN then, so the value decodes to NaN anyway; and NaN's sign, which the two
-// backends' arithmetic may not agree on, plays no part). A binary search; the fast quantize_value below gives
+// of 0 whatever its sign (which the two backends' arithmetic may not agree on); quantize_block (below) sends
+// every non-finite state value there as a NaN. A binary search; the fast quantize_value below gives
 // the same code for every float (checked at compile time per bucket, over millions of floats in
 // tests/cpp/test_quantization.cpp, and over all of them by tools/quantizer_all_floats.cpp).
 constexpr uint8_t reference_code(const float* map, bool is_signed, float x) {
@@ -185,19 +191,29 @@ GS_HD float abs_f(float x) {
 #endif
 }
 
-// x clamped to [low, high] (for x not NaN; one instruction each way on the GPU).
+// x clamped to [low, high], and a quiet NaN (what arithmetic makes) to low: fmax returns its number when the
+// other operand is a quiet NaN, on both backends (the host's returns NaN for a signalling one). One instruction
+// each way on the GPU.
 GS_HD float clamp_f(float x, float low, float high) {
 #if defined(__CUDA_ARCH__)
-  return fmaxf(fminf(x, high), low);
+  return fminf(fmaxf(x, low), high);
 #else
-  return std::fmax(std::fmin(x, high), low);
+  return std::fmin(std::fmax(x, low), high);
 #endif
 }
 
-// x's code from a map's code words, for x not NaN (reference_code's; quantize_value tests the whole map): the
-// number whose bits 16-23 hold it (bits 24-31 are 0), as the CUDA kernels pack codes straight from it. |x| is
-// clamped into the buckets' range (an unsigned map clamps x itself: every x < 0 has the code of 2^-23, that of
-// 0); the bucket of the clamped float names the word, and the word plus the key is the number (code_word):
+GS_HD float fma_f(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return fmaf(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// x's code from a map's code words (reference_code's; quantize_value tests the whole map): the number whose
+// bits 16-23 hold it (bits 24-31 are 0), as the CUDA kernels pack codes straight from it. |x| is clamped into
+// the buckets' range (an unsigned map clamps x itself: every x < 0 has the code of 2^-23, that of 0), a quiet
+// NaN to its bottom (either sign: the code of 0, as for ±2^-23); the bucket of the clamped float names the word, and the word plus the key is the number (code_word):
 // the key is the clamped float's bits for x >= 0, their complement for x < 0. Branch-free, with one
 // shared-memory read: the 8-bit kernels are instruction-bound.
 template <bool Signed>
@@ -264,8 +280,8 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   }
 }
 
-// reference_code's code of x, in constant time, from a map's code words (code_of; NaN gets the code of 0): the
-// host's maps, or the CUDA backend's copy of them (cuda.cu, SharedMaps).
+// reference_code's code of x, in constant time, from a map's code words (code_of; NaN, signalling ones
+// included, gets the code of 0): the host's maps, or the CUDA backend's copy of them (cuda.cu, SharedMaps).
 GS_HD uint8_t quantize_value(const uint32_t* code_words, bool is_signed, float x) {
   if (!(x == x)) return static_cast<uint8_t>(zero_code(is_signed));
   return is_signed ? code_of<true>(code_words, x) : code_of<false>(code_words, x);
@@ -275,36 +291,35 @@ GS_HD uint8_t quantize_value(const QuantizationMap& m, bool is_signed, float x) 
   return quantize_value(m.code_word, is_signed, x);
 }
 
-// States are stored finite: ±inf is kept as ±FLT_MAX (an inf absmax would decode every other element of
-// its block as 0 * inf = NaN). NaN stays NaN.
-inline constexpr float kLargestFloat = 3.40282347e+38f;
+inline constexpr float kLargestFloat = 3.40282347e+38f;  // FLT_MAX: |x| <= it exactly for the finite x
 
-// A block's scale is the largest |value| (at most FLT_MAX), or, if any value is NaN, one canonical NaN
-// (the same bits on both backends, whatever NaN the arithmetic made). It is gathered over raw magnitudes,
-// the values' bits with the sign cleared: those order as their bit patterns do (NaN above inf above every
-// finite value), so gathering is one unsigned max per value, in any order; absmax_finish then turns a NaN into
-// the canonical one and inf into FLT_MAX.
-inline constexpr uint32_t kCanonicalNaNBits = 0x7fffffffu;
-inline constexpr uint32_t kInfinityBits = 0x7f800000u;
+// A block's scale is the largest |value| among its finite values (0 if none). It is gathered over keys, one per
+// value: 2 * bits(value) + 2^24, modulo 2^32. Doubling drops the sign bit, so the finite magnitudes order as
+// their keys (from 2^24 for ±0 up to 2^32 - 2 for FLT_MAX), and the patterns whose exponent bits are all ones
+// (±inf, every NaN) wrap around to below 2^24, under every finite value's key. Gathering is then one unsigned
+// max per value, in any order, with 0 as the start; on the GPU the key is one integer multiply-add, as many
+// instructions as clearing the sign bit, so leaving non-finite values out costs the reduction nothing.
+// absmax_finish turns the largest key back into the magnitude (0 when no value was finite).
+inline constexpr uint32_t kFiniteKeyOffset = 0x01000000u;  // 2^24
 
-GS_HD float absmax_combine(float a, float b) {  // two raw magnitudes (or 0)
+GS_HD float absmax_combine(float a, float b) {  // two keys (or 0)
   const uint32_t x = float_bits(a), y = float_bits(b);
   return bits_float(x > y ? x : y);
 }
 
-GS_HD float absmax_step(float running, float value) {
-  return absmax_combine(running, bits_float(float_bits(value) & 0x7fffffffu));
-}
+GS_HD float absmax_key(float value) { return bits_float(float_bits(value) * 2u + kFiniteKeyOffset); }
 
-GS_HD float absmax_finish(float raw) {
-  const uint32_t bits = float_bits(raw);
-  return bits > kInfinityBits ? bits_float(kCanonicalNaNBits) : (bits == kInfinityBits ? kLargestFloat : raw);
+GS_HD float absmax_step(float running, float value) { return absmax_combine(running, absmax_key(value)); }
+
+GS_HD float absmax_finish(float key) {
+  const uint32_t bits = float_bits(key);
+  return bits < kFiniteKeyOffset ? 0.0f : bits_float((bits - kFiniteKeyOffset) >> 1);
 }
 
 // The quantiser's input, value / absmax, is computed as value * (1 / absmax): a multiply per element instead
 // of a division (the 8-bit kernels are instruction-bound), at the cost of one more rounding. A subnormal
-// absmax, whose reciprocal may overflow, has both first scaled by 2^24 (exact: |value| <= absmax). An
-// all-zero (or NaN) block gives 0.
+// absmax, whose reciprocal may overflow, has both first scaled by 2^24 (exact: |value| <= absmax for every
+// finite value). A block without a finite non-zero value gives 0.
 inline constexpr float kSmallestNormalFloat = 1.17549435e-38f;
 inline constexpr float kSubnormalPrescale = 16777216.0f;  // 2^24
 
@@ -321,13 +336,24 @@ GS_HD BlockScale block_scale(float absmax) {
   return b;
 }
 
-// An infinite value needs no clamping to ±FLT_MAX first: its block's absmax is FLT_MAX (or NaN), so it
-// normalizes to ±inf (or NaN) and gets the end code (or that of 0), as ±FLT_MAX would.
-// A normalized value is NaN only in a block whose absmax is NaN: otherwise no value is NaN, |value| <= absmax,
-// and the inverse is finite (0 only for an all-zero block), so the product is a number (±inf for ±inf with
-// absmax FLT_MAX). The CUDA step relies on it: it quantises with code_sum and gives a NaN block the
-// code of 0 throughout (cuda.cu, Requantizer), instead of testing every value for NaN.
+// A finite value has |value| <= absmax and the inverse is finite (0 only when no value of the block is finite
+// and non-zero), so the product is a number in [-1, 1] up to rounding.
 GS_HD float normalized(float value, const BlockScale& b) { return (value * b.prescale) * b.inverse; }
+
+// What a value is quantised as: normalized(value) for a finite value, NaN (so the code of 0) for any other.
+// The CPU tests the value; the CUDA step (cuda.cu, Requantizer) computes the same with one add instead of a
+// test and a select per value: normalized_or_nan_fused.
+GS_HD float normalized_or_nan(float value, const BlockScale& b) {
+  return abs_f(value) <= kLargestFloat ? normalized(value, b) : bits_float(0x7fc00000u);
+}
+
+// normalized_or_nan's code, branch-free: fma(value * prescale, inverse, value - value). value - value is +0 for
+// a finite value, and adding +0 in the fused step rounds the product as the multiply alone does (only a -0
+// product becomes +0: the code of 0 either way); for ±inf or NaN it is NaN, and so is the result (a quiet one,
+// which code_sum gives the code of 0 without a test).
+GS_HD float normalized_or_nan_fused(float value, const BlockScale& b) {
+  return fma_f(value * b.prescale, b.inverse, value - value);
+}
 
 GS_HD float dequantize_value(const float* values, uint8_t code, float absmax) { return values[code] * absmax; }
 GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absmax) {
@@ -335,16 +361,16 @@ GS_HD float dequantize_value(const QuantizationMap& m, uint8_t code, float absma
 }
 
 // One quantisation block of n values in one thread (a map's code words): writes their codes, returns the
-// block's absmax. The CPU step and both backends' standalone quantisation use it (tests/cpp/emulation compares
-// the two bit for bit), and the CUDA step shares a block among threads
-// (cuda.cu, for_each_quantized_element) with the same absmax_step / absmax_finish and code_sum
-// (cuda.cu's Requantizer: the code of 0 for a whole NaN block, as quantize_value gives it per value).
+// block's absmax; a non-finite value gets the code of 0 and no part in the absmax. The CPU step and both
+// backends' standalone quantisation use it (tests/cpp/emulation compares the two bit for bit), and the CUDA
+// step shares a block among threads (cuda.cu, for_each_quantized_element) with the same absmax_step /
+// absmax_finish and code_sum (cuda.cu's Requantizer, with normalized_or_nan_fused).
 GS_HD float quantize_block(const uint32_t* code_words, bool is_signed, const float* values, int64_t n, uint8_t* codes) {
-  float raw = 0.0f;
-  for (int64_t i = 0; i < n; ++i) raw = absmax_step(raw, values[i]);
-  const float absmax = absmax_finish(raw);
+  float key = 0.0f;
+  for (int64_t i = 0; i < n; ++i) key = absmax_step(key, values[i]);
+  const float absmax = absmax_finish(key);
   const BlockScale block = block_scale(absmax);
-  for (int64_t i = 0; i < n; ++i) codes[i] = quantize_value(code_words, is_signed, normalized(values[i], block));
+  for (int64_t i = 0; i < n; ++i) codes[i] = quantize_value(code_words, is_signed, normalized_or_nan(values[i], block));
   return absmax;
 }
 

@@ -1,5 +1,6 @@
 // Optimizer options: validation, state counts and workspace sizes, shared by both backends.
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -100,6 +101,14 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
                                     " is null");
     }
   }
+}
+
+void optim_detail::check_learning_rate(float lr) {
+  if (usable_learning_rate(lr)) return;
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", static_cast<double>(lr));
+  throw std::invalid_argument(std::string("invalid learning rate ") + text +
+                              " in the optimizer's lr tensor (it must be >= 0): the step changed nothing");
 }
 
 const float* quantization_map(bool is_signed) {

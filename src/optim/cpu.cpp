@@ -246,6 +246,7 @@ void dequantize_blockwise_cpu(const uint8_t* codes, const float* absmax, int64_t
 void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
                     std::size_t workspace_bytes) {
   check_step_args(a, tensors, count);
+  check_learning_rate(*a.lr);  // before anything is written: a refused step changes nothing
   std::vector<int64_t> numels(count);
   for (int t = 0; t < count; ++t) numels[t] = tensors[t].numel;
   const std::size_t needed = optim_workspace_bytes(Backend::Cpu, a.options, numels.data(), count);

@@ -5,7 +5,8 @@
 // take chunks of kChunkElements elements in turn, with 16-byte streaming accesses where alignment
 // allows. lr and each tensor's step are read from device memory inside the kernel; with increment_steps
 // and a finish counter the element-wise update's last block adds 1 to every step (finish_steps), otherwise
-// one small launch ahead of the updates does. Layer-wise algorithms (LAMB, LARS) run
+// one small launch ahead of the updates does. A NaN or negative lr makes every kernel write nothing and report
+// it (learning_rate_usable). Layer-wise algorithms (LAMB, LARS) run
 // three kernels: per-chunk squared norms (a fixed-order block reduction), per-tensor factor (one block
 // per tensor combines its chunks in a fixed order), and the update.
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "common/cuda_check.h"
+#include "common/device_error.cuh"
 #include "common/launch.h"
 #include "graphsafe/optim.h"
 #include "optim/blockwise.h"
@@ -115,6 +117,26 @@ __device__ BlockWork block_work(const Table& table, int64_t block) {
 template <class Table>
 __device__ float step_number(const Table& table, int t) { return *table.step[t] + table.step_increment; }
 
+// The step's learning rate as its kernels get it: where to read it (device memory, at run time: a captured step
+// follows what a scheduler writes there) and where to report an unusable one (OptimStepArgs::error).
+struct LearningRate {
+  const float* value;
+  DeviceErrorRecord* error;
+};
+
+LearningRate learning_rate(const OptimStepArgs& a) { return {a.lr, a.error}; }
+
+// Whether a kernel of the step may run with `rate`, the value read at lr.value; if not, block 0 reports it and
+// every block returns before it writes anything. Every kernel of a step tests it (a layer-wise step's three
+// and the step-counting launch ahead too), and all their threads read the same value (nothing writes it during
+// the step), so they agree: no block of an element-wise update reaches finish_steps (its counter stays 0), no
+// step is counted, no parameter or state is written.
+__device__ bool learning_rate_usable(const LearningRate& lr, float rate) {
+  if (usable_learning_rate(rate)) return true;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && lr.error != nullptr) report_invalid_learning_rate(lr.error, rate);
+  return false;
+}
+
 // Blocks loop over chunks (the grid is capped at what the GPU holds at once), so the coefficients, which
 // take double-precision powers, are formed once per tensor per block: by one thread, into shared memory.
 template <class Table>
@@ -127,8 +149,8 @@ __device__ void share_coefficients(const OptimOptions& o, const float* lr, const
   current = t;
 }
 
-// An element-wise update kernel ends with this in every block (no block returns early; a no-op without a
-// finish counter, see update_counts_steps):
+// An element-wise update kernel ends with this in every block (no block returns early, unless all do: an
+// unusable learning rate; a no-op without a finish counter, see update_counts_steps):
 // the block that finishes last, when every other block has read its steps (each block's thread 0 reads them,
 // share_coefficients, before this), adds 1 to every step of the table and sets the counter back to 0. The
 // fences order the other blocks' reads before the count, and the count before the writes.
@@ -306,7 +328,7 @@ constexpr int kMaxWarps = 512 / 32;
 // Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
 // share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
 // barriers per pass whatever N is (within a warp: one REDUX per value, or shuffles below 32). Every thread of the
-// block calls it; all get their group's results. Values are raw magnitudes from absmax_step (or 0 or 1).
+// block calls it; all get their group's results. Values are absmax keys from absmax_step (or 0 or 1).
 template <int N>
 __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kMaxWarps]) {
   if (group >= 32) {  // a whole warp: absmax_combine is an unsigned max of the bits, one REDUX per value
@@ -335,7 +357,7 @@ __device__ void group_max(float (&v)[N], int group, float (&exchange)[N][kMaxWar
 
 // After an 8-bit pass, what the `group` threads sharing a quantisation block agree on (all threads call it):
 // reduced[0] is 1 if any of them updated an element, reduced[1 + j] state j's new absmax over the block's
-// valid elements (a raw magnitude for absmax_finish).
+// valid elements (an absmax key for absmax_finish: non-finite values take no part).
 template <int N, int V>  // N: the states + 1
 __device__ void agree_on_block(bool any, const float (&s)[V][4], const bool (&valid)[V], int group,
                                float (&exchange)[N][kMaxWarps], float (&reduced)[N]) {
@@ -359,10 +381,10 @@ __device__ uint32_t codes_of_sums(uint32_t a, uint32_t b, uint32_t c, uint32_t d
 #endif
 }
 
-// Requantising state j of one quantisation block after a pass, shared by both 8-bit loops: from the raw
-// magnitude agree_on_block gathered, the block's new absmax and scale; codes<N>(s, first) are state j's
-// codes of elements first .. first + N - 1 of the thread's s[][] (as quantize_value gives them; blockwise.h,
-// normalized, says why a block's values are NaN only where its absmax is, so one test serves the block).
+// Requantising state j of one quantisation block after a pass, shared by both 8-bit loops: from the absmax key
+// agree_on_block gathered (finite values only), the block's new absmax and scale; codes<N>(s, first) are state
+// j's codes of elements first .. first + N - 1 of the thread's s[][], as quantize_block gives them (a
+// non-finite value becomes NaN in normalized_or_nan_fused and gets the code of 0 from code_sum: no branch).
 struct Requantizer {
   int j;
   bool is_signed;
@@ -370,40 +392,32 @@ struct Requantizer {
   float absmax;
   BlockScale scale;
 
-  __device__ Requantizer(const OptimOptions& o, const SharedMaps* maps, int state, float raw_absmax)
+  __device__ Requantizer(const OptimOptions& o, const SharedMaps* maps, int state, float absmax_key)
       : j(state), is_signed(state_is_signed(o, state)), words(maps->words(is_signed)),
-        absmax(absmax_finish(raw_absmax)), scale(block_scale(absmax)) {}
+        absmax(absmax_finish(absmax_key)), scale(block_scale(absmax)) {}
 
   template <int N, int V>
   __device__ Pack<uint8_t, N> codes(const float (&s)[V][4], int first) const {
     static_assert(N % 4 == 0, "codes are packed four at a time");
     float x[N];
-    // One multiply per value where the block's absmax is a normal float (all but vanishingly rare blocks):
-    // normalized's prescale is 1 there, and value * 1 is value exactly, so the codes are the same.
+    // One fused multiply-add per value where the block's absmax is a normal float (all but vanishingly rare
+    // blocks): normalized's prescale is 1 there, and value * 1 is value exactly, so the codes are the same.
     if (scale.prescale == 1.0f) {
 #pragma unroll
-      for (int i = 0; i < N; ++i) x[i] = s[first + i][j] * scale.inverse;
+      for (int i = 0; i < N; ++i) x[i] = fma_f(s[first + i][j], scale.inverse, s[first + i][j] - s[first + i][j]);
     } else {
 #pragma unroll
-      for (int i = 0; i < N; ++i) x[i] = normalized(s[first + i][j], scale);
+      for (int i = 0; i < N; ++i) x[i] = normalized_or_nan_fused(s[first + i][j], scale);
     }
-    // Four codes per word, in both branches: a NaN branch that set the codes byte by byte made the compiler
-    // take every packed word apart again where the branches meet.
+    // Four codes per word: setting the codes byte by byte made the compiler take every packed word apart again.
     uint32_t packed[N / 4];
-    // One test for the block, outside the element loop: tested per value, the compiler made a branch of its
-    // own (and a convergence barrier) around every value's quantisation.
-    if (!(absmax == absmax)) {
 #pragma unroll
-      for (int i = 0; i < N / 4; ++i) packed[i] = uint32_t(zero_code(is_signed)) * 0x01010101u;
-    } else {
+    for (int i = 0; i < N / 4; ++i) {
+      uint32_t sum[4];
 #pragma unroll
-      for (int i = 0; i < N / 4; ++i) {
-        uint32_t sum[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          sum[k] = is_signed ? code_sum<true>(words, x[4 * i + k]) : code_sum<false>(words, x[4 * i + k]);
-        packed[i] = codes_of_sums(sum[0], sum[1], sum[2], sum[3]);
-      }
+      for (int k = 0; k < 4; ++k)
+        sum[k] = is_signed ? code_sum<true>(words, x[4 * i + k]) : code_sum<false>(words, x[4 * i + k]);
+      packed[i] = codes_of_sums(sum[0], sum[1], sum[2], sum[3]);
     }
     Pack<uint8_t, N> c;
     memcpy(&c, packed, N);
@@ -691,11 +705,12 @@ static_assert(QuantizedElementwiseThreads<FastMath> / 32 <= kMaxWarps, "the exch
 // than branches (rules.h, elementwise_step switches per element).
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>)
-    elementwise_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table, int64_t total_blocks, int block_size) {
+    elementwise_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table, int64_t total_blocks, int block_size) {
+  if (!learning_rate_usable(lr, *lr.value)) return;
   __shared__ Coefficients k;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
-    share_coefficients(o, lr, table, w.tensor, current, k);
+    share_coefficients(o, lr.value, table, w.tensor, current, k);
     for_each<T, States, Bits, true>(o, table, w, block_size, nullptr, [&](float g, float& p, float* s) {
       if (skipped(o, g)) return false;
       elementwise_step(o, k, g, p, s);
@@ -738,17 +753,19 @@ __device__ void prefetch_chunk(const Table& table, int64_t block, int64_t total_
 // FastMath's square roots and quotients (rules.h).
 template <class T, int States, OptimAlgorithm A, class Math>
 __global__ void __launch_bounds__(QuantizedElementwiseThreads<Math>, QuantizedElementwiseBlocksPerSM<Math>)
-    quantized_elementwise_kernel(OptimOptions o, const float* lr, TensorTable<States, 8> table, int64_t total_blocks,
+    quantized_elementwise_kernel(OptimOptions o, LearningRate lr, TensorTable<States, 8> table, int64_t total_blocks,
                                  int block_size) {
   __shared__ Coefficients k;
+  const float rate = *lr.value;  // read while the maps are copied
   const SharedMaps* maps = load_maps_to_shared<QuantizedElementwiseThreads<Math>>();
+  if (!learning_rate_usable(lr, rate)) return;
   const OptimOptions known = with_known_options<A, States>(o);
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
     // The block's next chunk on its way into L2 while this one is worked on: on the H200, 8-bit AdamW at 64M
     // (fp32 parameters) took 0.313 instead of 0.324 ms (bf16 parameters: no change; two chunks ahead was slower).
     if (threadIdx.x == 0) prefetch_chunk<T, States>(table, block_ + gridDim.x, total_blocks);
-    share_coefficients(known, lr, table, w.tensor, current, k);
+    share_coefficients(known, lr.value, table, w.tensor, current, k);
     const Coefficients mine = k;  // in registers (the rule's few): not re-read from shared per element
     for_each<T, States, 8, true, QuantizedElementwiseThreads<Math>>(known, table, w, block_size, maps,
                                                                     [&](float g, float& p, float* s) {
@@ -780,15 +797,17 @@ __device__ SquaredNorms block_sum(SquaredNorms mine, float (&partial)[2][kThread
 // Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads,
 // layout.h's order); the tensors are not written (rules.h, layerwise_apply, says why).
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table,
+__global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table,
                                                           int64_t total_blocks, int block_size, float* chunk_norms) {
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
+  const float rate = *lr.value;
   const SharedMaps* maps = nullptr;
   if constexpr (Bits == 8) maps = load_maps_to_shared<kThreads>();
+  if (!learning_rate_usable(lr, rate)) return;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
-    share_coefficients(o, lr, table, w.tensor, current, k);
+    share_coefficients(o, lr.value, table, w.tensor, current, k);
     SquaredNorms mine{0.0f, 0.0f};
     with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
       for_each<T, States, Bits, false>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
@@ -811,8 +830,9 @@ __global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, const
 // chunks i, i + kThreads, ... in turn, then the same tree as pass 1) and stores the tensor's factor.
 // (One thread adding a 64M-element tensor's 16384 chunks in sequence took longer than the update.)
 template <class Table>
-__global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const float* lr, Table table,
+__global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, LearningRate lr, Table table,
                                                           const float* chunk_norms, float* factors) {
+  if (!learning_rate_usable(lr, *lr.value)) return;
   __shared__ float partial[2][kThreads];
   const int t = blockIdx.x;
   const int64_t first = table.first_chunk[t], chunks = table.first_block[t + 1] - table.first_block[t];
@@ -822,19 +842,21 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, const 
     mine.update += chunk_norms[2 * (first + c) + 1];
   }
   const SquaredNorms total = block_sum(mine, partial);
-  if (threadIdx.x == 0) factors[table.factor_index[t]] = layerwise_factor(o, coefficients(o, *lr, step_number(table, t)), total);
+  if (threadIdx.x == 0) factors[table.factor_index[t]] = layerwise_factor(o, coefficients(o, *lr.value, step_number(table, t)), total);
 }
 
 // Layer-wise pass 2: LAMB forms and stores its new moments and updates; LARS updates its momentum.
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(OptimOptions o, const float* lr, TensorTable<States, Bits> table,
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSM<Bits>) apply_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table,
                                                         int64_t total_blocks, int block_size, const float* factors) {
   __shared__ Coefficients k;
+  const float rate = *lr.value;
   const SharedMaps* maps = nullptr;
   if constexpr (Bits == 8) maps = load_maps_to_shared<kThreads>();
+  if (!learning_rate_usable(lr, rate)) return;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
-    share_coefficients(o, lr, table, w.tensor, current, k);
+    share_coefficients(o, lr.value, table, w.tensor, current, k);
     const float factor = factors[table.factor_index[w.tensor]];
     with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
       for_each<T, States, Bits, true>(o, table, w, block_size, maps, [&](float g, float& p, float* s) {
@@ -853,19 +875,20 @@ struct StepTable {
   int count;
   float* step[kMaxSteps];
 };
-static_assert(sizeof(StepTable) < 4000, "kernel arguments stay under 4 KB");
+static_assert(sizeof(StepTable) + sizeof(LearningRate) < 4000, "kernel arguments stay under 4 KB");
 
-__global__ void increment_steps_kernel(StepTable table) {
+__global__ void increment_steps_kernel(StepTable table, LearningRate lr) {
+  if (!learning_rate_usable(lr, *lr.value)) return;
   for (int i = threadIdx.x; i < table.count; i += blockDim.x) *table.step[i] += 1.0f;
 }
 
-void increment_steps(const std::vector<float*>& steps, cudaStream_t stream) {
+void increment_steps(const std::vector<float*>& steps, const LearningRate& lr, cudaStream_t stream) {
   const int count = static_cast<int>(steps.size());
   for (int first = 0; first < count; first += kMaxSteps) {
     StepTable table{};
     table.count = std::min(kMaxSteps, count - first);
     for (int i = 0; i < table.count; ++i) table.step[i] = steps[first + i];
-    GS_LAUNCH(increment_steps_kernel, 1, kThreads, stream, table);
+    GS_LAUNCH(increment_steps_kernel, 1, kThreads, stream, table, lr);
     GS_CUDA_CHECK_LAUNCH();
   }
 }
@@ -908,13 +931,14 @@ void launch_table(const OptimStepArgs& a, const TensorTable<States, Bits>& table
   constexpr auto apply = &apply_kernel<T, States, Bits>;
   constexpr auto factor = &factor_kernel<TensorTable<States, Bits>>;
   const OptimOptions& o = a.options;
+  const LearningRate lr = learning_rate(a);
   const int b = a.block_size;
   if (!is_layerwise(o.algorithm)) {
     if constexpr (Bits == 8) {
       with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
         constexpr OptimAlgorithm A = decltype(algorithm)::value;
         auto launch = [&](auto kernel, int threads) {
-          GS_LAUNCH(kernel, grid_for(kernel, blocks, threads), threads, stream, o, a.lr, table, blocks, b);
+          GS_LAUNCH(kernel, grid_for(kernel, blocks, threads), threads, stream, o, lr, table, blocks, b);
         };
         constexpr int kFast = QuantizedElementwiseThreads<FastMath>, kExact = QuantizedElementwiseThreads<ExactMath>;
         if constexpr (takes_roots(A)) {
@@ -926,16 +950,16 @@ void launch_table(const OptimStepArgs& a, const TensorTable<States, Bits>& table
       });
     } else {
       constexpr auto kernel = &elementwise_kernel<T, States, Bits>;
-      GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, a.lr, table, blocks, b);
+      GS_LAUNCH(kernel, grid_for(kernel, blocks), kThreads, stream, o, lr, table, blocks, b);
     }
     GS_CUDA_CHECK_LAUNCH();
     return;
   }
-  GS_LAUNCH(measure, grid_for(measure, blocks), kThreads, stream, o, a.lr, table, blocks, b, workspace);
+  GS_LAUNCH(measure, grid_for(measure, blocks), kThreads, stream, o, lr, table, blocks, b, workspace);
   GS_CUDA_CHECK_LAUNCH();
-  GS_LAUNCH(factor, table.count, kThreads, stream, o, a.lr, table, workspace, workspace + factors_offset);
+  GS_LAUNCH(factor, table.count, kThreads, stream, o, lr, table, workspace, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
-  GS_LAUNCH(apply, grid_for(apply, blocks), kThreads, stream, o, a.lr, table, blocks, b, workspace + factors_offset);
+  GS_LAUNCH(apply, grid_for(apply, blocks), kThreads, stream, o, lr, table, blocks, b, workspace + factors_offset);
   GS_CUDA_CHECK_LAUNCH();
 }
 
@@ -1045,7 +1069,7 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
     std::vector<float*> ahead;
     for (int t = 0; t < count; ++t)
       if (!update_counts_steps(a) || tensors[t].numel == 0) ahead.push_back(tensors[t].step);
-    if (!ahead.empty()) increment_steps(ahead, s);
+    if (!ahead.empty()) increment_steps(ahead, learning_rate(a), s);
   }
   switch (a.param_dtype) {
     case DType::Float32: run_typed<float>(a, tensors, count, ws, layout.factors_offset, s); break;

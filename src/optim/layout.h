@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/numeric.h"
 #include "graphsafe/optim.h"
 
 namespace graphsafe::optim_detail {
@@ -64,5 +65,12 @@ inline LayerwiseLayout layerwise_layout(const int64_t* numels, int count) {
 
 // Validates options, dtype and every tensor's pointers; throws std::invalid_argument (both backends).
 void check_step_args(const OptimStepArgs& args, const OptimTensor* tensors, int count);
+
+// Whether a step may run with this learning rate: >= 0, +inf included (NaN and negative values are refused, as
+// torch refuses them). The CPU checks it on the host (check_learning_rate), the CUDA kernels on the device.
+GS_HD bool usable_learning_rate(float lr) { return lr >= 0.0f; }
+
+// Throws std::invalid_argument for an unusable learning rate (the CPU step, before it writes anything).
+void check_learning_rate(float lr);
 
 }  // namespace graphsafe::optim_detail

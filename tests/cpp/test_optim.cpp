@@ -4,9 +4,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <random>
 #include <vector>
 
+#include "graphsafe/errors.h"
 #include "graphsafe/optim.h"
 #include "optim/rules.h"
 
@@ -190,7 +194,146 @@ TEST(OptimCpu, RejectsInvalidHyperparameters) {
   EXPECT_THROW(optim_step_cpu(args, &t, 1, nullptr, 0), std::invalid_argument);  // Adam needs two states
 }
 
+// A NaN or negative learning rate is refused before anything is written, 8-bit states included; +inf and -0.0
+// are usable learning rates (as in torch).
+TEST(OptimCpu, RefusesAnInvalidLearningRateBeforeWritingAnything) {
+  for (OptimAlgorithm a : kAll) {
+    for (int state_bits : {32, 8}) {
+      const OptimOptions o = options_for(a, false);
+      const int64_t n = 600;
+      const int states = optim_state_count(o);
+      std::vector<float> param(n, 0.5f), grad(n, 0.25f), state_values(n, 0.125f), step{3.0f};
+      std::vector<std::vector<float>> fp32_states(states, state_values), absmax(states, std::vector<float>(3));
+      std::vector<std::vector<uint8_t>> codes(states, std::vector<uint8_t>(n));
+      OptimTensor t;
+      t.param = param.data();
+      t.grad = grad.data();
+      for (int j = 0; j < states; ++j) {
+        t.state[j] = fp32_states[j].data();
+        quantize_blockwise_cpu(state_values.data(), n, 256, optim_state_is_signed(o, j), codes[j].data(), absmax[j].data());
+        t.codes[j] = codes[j].data();
+        t.absmax[j] = absmax[j].data();
+      }
+      t.step = step.data();
+      t.numel = n;
+      std::vector<unsigned char> ws(optim_workspace_bytes(Backend::Cpu, o, &n, 1));
+      OptimStepArgs args;
+      args.options = o;
+      args.increment_steps = true;
+      args.state_bits = state_bits;
+      const auto param_before = param;
+      const auto fp32_before = fp32_states;
+      const auto codes_before = codes;
+      const auto absmax_before = absmax;
+      for (float lr : {std::nanf(""), -1.0f, -1e-30f, -std::numeric_limits<float>::infinity()}) {
+        args.lr = &lr;
+        try {
+          optim_step_cpu(args, &t, 1, ws.data(), ws.size());
+          ADD_FAILURE() << "lr " << lr << " accepted, algorithm " << int(a);
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("invalid learning rate"), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(step[0], 3.0f);
+        EXPECT_TRUE(param == param_before && fp32_states == fp32_before && codes == codes_before &&
+                    absmax == absmax_before)
+            << "algorithm " << int(a) << " state bits " << state_bits << " lr " << lr;
+      }
+      for (float lr : {std::numeric_limits<float>::infinity(), -0.0f}) {
+        args.lr = &lr;
+        const float step_before = step[0];
+        EXPECT_NO_THROW(optim_step_cpu(args, &t, 1, ws.data(), ws.size()));
+        EXPECT_EQ(step[0], step_before + 1.0f);
+      }
+    }
+  }
+}
+
 #if defined(GRAPHSAFE_WITH_CUDA)
+// On the GPU a NaN or negative learning rate makes every kernel of the step write nothing (no parameter, state or
+// step; the finish counter stays 0) and is recorded for the host (take_device_error); the next usable one steps.
+TEST(OptimCuda, AnInvalidLearningRateWritesNothingAndIsRecorded) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) GTEST_SKIP() << "no CUDA device";
+  take_device_error(true);
+  const int64_t n = 10001;
+  for (OptimAlgorithm a : kAll) {
+    for (int state_bits : {32, 8}) {
+      const OptimOptions o = options_for(a, false);
+      const int states = optim_state_count(o);
+      const int64_t blocks = (n + 255) / 256;
+      std::vector<float> param(n, 0.5f), grad(n, 0.25f), zeros(n, 0.0f);
+      float *d_param, *d_grad, *d_lr, *d_step, *d_states[4] = {}, *d_absmax[4] = {};
+      uint8_t* d_codes[4] = {};
+      uint32_t* d_counter;
+      void* d_ws = nullptr;
+      const std::size_t ws_bytes = optim_workspace_bytes(Backend::Cuda, o, &n, 1);
+      cudaMalloc(&d_param, n * 4); cudaMalloc(&d_grad, n * 4); cudaMalloc(&d_lr, 4); cudaMalloc(&d_step, 4);
+      cudaMalloc(&d_counter, 4); cudaMemset(d_counter, 0, 4);
+      cudaMalloc(&d_ws, ws_bytes + 4);
+      for (int j = 0; j < states; ++j) {
+        cudaMalloc(&d_states[j], n * 4); cudaMemset(d_states[j], 0, n * 4);
+        cudaMalloc(&d_codes[j], n); cudaMemset(d_codes[j], 0, n);
+        cudaMalloc(&d_absmax[j], blocks * 4); cudaMemset(d_absmax[j], 0, blocks * 4);
+      }
+      cudaMemcpy(d_param, param.data(), n * 4, cudaMemcpyHostToDevice);
+      cudaMemcpy(d_grad, grad.data(), n * 4, cudaMemcpyHostToDevice);
+      cudaMemset(d_step, 0, 4);
+      OptimTensor t;
+      t.param = d_param;
+      t.grad = d_grad;
+      for (int j = 0; j < states; ++j) {
+        t.state[j] = d_states[j];
+        t.codes[j] = d_codes[j];
+        t.absmax[j] = d_absmax[j];
+      }
+      t.step = d_step;
+      t.numel = n;
+      OptimStepArgs args;
+      args.options = o;
+      args.lr = d_lr;
+      args.increment_steps = true;
+      args.finish_counter = d_counter;
+      args.error = device_error_record();
+      args.state_bits = state_bits;
+      for (float lr : {std::nanf(""), -2.0f, 0.01f}) {
+        cudaMemcpy(d_lr, &lr, 4, cudaMemcpyHostToDevice);
+        optim_step_cuda(args, &t, 1, d_ws, ws_bytes, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        float step = 0.0f;
+        uint32_t counter = 1;
+        std::vector<float> after(n);
+        cudaMemcpy(&step, d_step, 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(&counter, d_counter, 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(after.data(), d_param, n * 4, cudaMemcpyDeviceToHost);
+        EXPECT_EQ(counter, 0u);
+        const std::string message = take_device_error(true);
+        const std::string what = "algorithm " + std::to_string(int(a)) + " bits " + std::to_string(state_bits);
+        if (lr >= 0.0f) {
+          EXPECT_EQ(message, "") << what;
+          EXPECT_EQ(step, 1.0f) << what;
+          EXPECT_NE(after, param) << what;
+          continue;
+        }
+        EXPECT_EQ(message.rfind("invalid learning rate", 0), 0u) << what << ": " << message;
+        EXPECT_EQ(step, 0.0f) << what;
+        EXPECT_EQ(after, param) << what;
+        for (int j = 0; j < states; ++j) {
+          std::vector<float> s(n, 1.0f), scale(blocks, 1.0f);
+          std::vector<uint8_t> c(n, 1);
+          cudaMemcpy(s.data(), d_states[j], n * 4, cudaMemcpyDeviceToHost);
+          cudaMemcpy(c.data(), d_codes[j], n, cudaMemcpyDeviceToHost);
+          cudaMemcpy(scale.data(), d_absmax[j], blocks * 4, cudaMemcpyDeviceToHost);
+          EXPECT_EQ(s, zeros) << what;
+          EXPECT_EQ(c, std::vector<uint8_t>(n, 0)) << what;
+          EXPECT_EQ(scale, std::vector<float>(blocks, 0.0f)) << what;
+        }
+      }
+      cudaFree(d_param); cudaFree(d_grad); cudaFree(d_lr); cudaFree(d_step); cudaFree(d_ws); cudaFree(d_counter);
+      for (int j = 0; j < states; ++j) { cudaFree(d_states[j]); cudaFree(d_codes[j]); cudaFree(d_absmax[j]); }
+    }
+  }
+}
+
 TEST(OptimCuda, MatchesCpu) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) GTEST_SKIP() << "no CUDA device";

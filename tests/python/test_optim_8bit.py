@@ -7,9 +7,9 @@ What is checked, and against what:
   does not trust the library's own table; plus the basic shape (256 strictly increasing values, exact
   -1/0/1 in the signed map, 0/1 and nothing negative in the unsigned one).
 * quantize_blockwise / dequantize_blockwise against an independent reference written here: absmax per
-  block (NaN if the block holds a NaN), x / absmax formed in fp32 (as the library documents) and then the
+  block over its finite values only, x / absmax formed in fp32 (as the library documents) and then the
   nearest map value found by brute force over all 256 values in float64, exact ties going to the value
-  nearer zero. Codes and absmax must be *equal*, not close. The round-trip error bound is derived from the
+  nearer zero; NaN and ±inf get the code of 0 (docs/optim.md, "Non-finite values"). Codes and absmax must be *equal*, not close. The round-trip error bound is derived from the
   rounding rule alone: |dequant(quant(x)) - x| <= (half the gap between the two map values around
   x / absmax) * absmax + 4 fp32 ulps of absmax (one rounding of x / absmax, one of map[code] * absmax,
   doubled for margin). Nothing in it is fitted to the implementation.
@@ -34,6 +34,10 @@ What is checked, and against what:
 * AdEMAMix's three states with an element count that is not a multiple of the block size.
 * min_8bit_size, state_dict round trips and 32 <-> 8-bit conversions, state_bytes, bitwise repeatability
   (also across OpenMP thread counts).
+* A NaN or ±inf gradient element, for all nine algorithms: never more non-finite parameters than with fp32
+  states, and (element-wise algorithms, and LAMB's states) every other element's parameter, codes and every
+  block's absmax bitwise equal to a run where that element's gradient was 0 (the bad element's states are
+  stored as 0, and a zero gradient on a zero parameter keeps them 0).
 """
 
 from __future__ import annotations
@@ -146,21 +150,19 @@ def documented_map(signed: bool) -> torch.Tensor:
 MAPS = {True: documented_map(True), False: documented_map(False)}
 
 
-CANONICAL_NAN = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
-
-
 def reference_quantize(x: torch.Tensor, block_size: int, signed: bool):
-    """(codes, absmax, nan_block) of x by the documented rule, brute force. Codes of blocks holding a NaN
-    are not specified (the block decodes to NaN whatever they are); nan_block marks those blocks."""
+    """(codes, absmax) of x by the documented rule, brute force: a block's absmax is the largest |value| among
+    its finite values (0 if none), and a non-finite value (NaN, ±inf) gets the code of 0, so the block is
+    quantised as if 0 stood in its place."""
     flat = x.detach().to(torch.float32).reshape(-1)
+    finite = torch.isfinite(flat)
+    flat = torch.where(finite, flat, torch.zeros_like(flat))
     n = flat.numel()
     blocks = -(-n // block_size)
     padded = torch.zeros(blocks * block_size, dtype=torch.float32)
     padded[:n] = flat
     per_block = padded.view(blocks, block_size)
-    nan_block = torch.isnan(per_block).any(dim=1)
-    absmax = per_block.abs().nan_to_num(0.0).amax(dim=1)
-    absmax[nan_block] = CANONICAL_NAN  # one documented NaN, whatever NaN the block held
+    absmax = per_block.abs().amax(dim=1)
     scale = absmax.repeat_interleave(block_size)[:n]
     # as documented: value * fp32(1 / absmax); value and absmax first times 2^24 when absmax is subnormal
     prescale = torch.where(scale < torch.finfo(torch.float32).tiny, 2.0**24, 1.0).to(torch.float32)
@@ -171,7 +173,8 @@ def reference_quantize(x: torch.Tensor, block_size: int, signed: bool):
     nearest = dist == dist.min(dim=1, keepdim=True).values
     # among equally near map values (an exact tie), the one nearer zero
     codes = torch.where(nearest, qmap.abs()[None, :], torch.full_like(dist, math.inf)).argmin(dim=1)
-    return codes.to(torch.uint8).reshape(x.shape), absmax, nan_block
+    codes[~finite] = 127 if signed else 0  # the code of 0
+    return codes.to(torch.uint8).reshape(x.shape), absmax
 
 
 def local_half_gap(ratio: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -235,12 +238,11 @@ def heavy_tailed(n, gen, signed):
 
 def assert_quantize_matches_reference(x, block_size, signed, what):
     codes, absmax = ops.quantize_blockwise(x, block_size, signed)
-    ref_codes, ref_absmax, nan_block = reference_quantize(x, block_size, signed)
+    ref_codes, ref_absmax = reference_quantize(x, block_size, signed)
     assert codes.dtype == torch.uint8 and codes.shape == x.shape, what
     assert absmax.dtype == torch.float32 and absmax.shape == (-(-x.numel() // block_size),), what
     assert_bitwise_equal(absmax, ref_absmax, f"{what}: absmax")
-    in_nan_block = nan_block.repeat_interleave(block_size)[: x.numel()].reshape(x.shape)
-    mismatch = (codes != ref_codes) & ~in_nan_block
+    mismatch = codes != ref_codes
     assert not bool(mismatch.any()), (
         f"{what}: {int(mismatch.sum())} code(s) differ from the reference; first at "
         f"{mismatch.nonzero()[0].tolist()}: got {int(codes[mismatch][0])}, expected {int(ref_codes[mismatch][0])}"
@@ -308,18 +310,21 @@ def test_quantize_zero_blocks_and_nan(signed):
     x[block : 2 * block] = 0.0  # an all-zero block
     x[2 * block : 3 * block] = -0.0 if signed else 0.0
     x[3 * block + 5] = float("nan")  # a NaN in block 3
+    x[4 * block :] = float("nan")  # a block (the partial last one) of NaN only
     codes, absmax = assert_quantize_matches_reference(x, block, signed, f"zeros and NaN signed={signed}")
     zero_code = 127 if signed else 0
-    for b in (1, 2):
+    for b in (1, 2, 4):
         assert float(absmax[b]) == 0.0
         assert bool((codes[b * block : (b + 1) * block] == zero_code).all()), "all-zero block: codes are not 0"
-    assert math.isnan(float(absmax[3])), "absmax of a block with a NaN is not NaN"
+    # The NaN is stored as 0 and leaves the block's scale and its neighbours' codes as 0 in its place would.
+    zeroed = x.clone()
+    zeroed[3 * block + 5] = 0.0
+    codes0, absmax0 = ops.quantize_blockwise(zeroed[: 4 * block], block, signed)
+    assert_bitwise_equal(absmax[:4], absmax0, "absmax with the NaN vs with 0 in its place")
+    assert_bitwise_equal(codes[: 4 * block], codes0, "codes with the NaN vs with 0 in its place")
     out = ops.dequantize_blockwise(codes, absmax, block, signed)
-    assert bool(torch.isnan(out[3 * block : 4 * block]).all()), "the NaN block does not decode to NaN"
-    assert bool((out[block : 3 * block] == 0).all())
-    others = torch.ones_like(x, dtype=torch.bool)
-    others[3 * block : 4 * block] = False
-    assert bool(torch.isfinite(out[others]).all()), "a NaN leaked out of its block"
+    assert bool(torch.isfinite(out).all()), "a NaN was stored"
+    assert bool((out[block : 3 * block] == 0).all()) and float(out[3 * block + 5]) == 0.0
 
 
 def test_quantize_unsigned_clamps_negatives_to_zero():
@@ -848,16 +853,20 @@ def test_invalid_8bit_options(case, bad):
 # ---- robustness (found in review) ----
 
 
-def test_quantize_keeps_infinity_finite():
-    """±inf is stored as ±FLT_MAX: an inf absmax would decode every other element of its block as 0 * inf."""
-    x = torch.zeros(512)
-    x[3], x[300] = float("inf"), float("-inf")
-    x[4] = 0.5
-    codes, absmax = ops.quantize_blockwise(x, 256, True)
-    assert torch.isfinite(absmax).all()
-    y = ops.dequantize_blockwise(codes, absmax, 256, True)
-    assert not torch.isnan(y).any()
-    assert y[3] == torch.finfo(torch.float32).max and y[300] == -torch.finfo(torch.float32).max
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_quantize_stores_infinity_as_zero_and_keeps_it_out_of_the_scale(signed):
+    """±inf is stored as 0 and takes no part in its block's absmax: the other elements keep the codes they would
+    have with 0 in its place (a scale of inf, or of FLT_MAX, would decode them all as NaN, or as 0)."""
+    gen = make_generator(12)
+    x = heavy_tailed(512, gen, signed)
+    x[3], x[300], x[301] = float("inf"), float("-inf"), float("nan")
+    codes, absmax = assert_quantize_matches_reference(x, 256, signed, f"infinities signed={signed}")
+    zeroed = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    codes0, absmax0 = ops.quantize_blockwise(zeroed, 256, signed)
+    assert_bitwise_equal(absmax, absmax0, "absmax with ±inf vs with 0 in its place")
+    assert_bitwise_equal(codes, codes0, "codes with ±inf vs with 0 in its place")
+    y = ops.dequantize_blockwise(codes, absmax, 256, signed)
+    assert bool(torch.isfinite(y).all()) and float(y[3]) == float(y[300]) == float(y[301]) == 0.0
 
 
 @pytest.mark.parametrize("case", ["Adam", "AdamW", "RMSprop", "Adagrad"])
@@ -961,3 +970,82 @@ def test_centered_rmsprop_8bit_stays_finite_and_close_to_32bit(momentum):
     assert bool(torch.isfinite(p32.detach()).all())
     err = rel_err(p8.detach() - start, p32.detach() - start)
     assert err <= (0.25 if momentum == 0.0 else 0.03), f"8-bit update off by {err:.4f}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# A non-finite gradient element damages only its own element (docs/optim.md, "Non-finite values")
+# --------------------------------------------------------------------------------------------------------
+
+BAD_VALUES = {"nan": float("nan"), "inf": float("inf")}
+BLOCK = 256
+BAD_AT = 100  # in block 0 of a 2 x BLOCK parameter
+ELEMENTWISE = [c for c in CASE_NAMES if c not in ("LAMB", "LARS")]
+
+
+def run_with_bad_gradient(case, state_bits, bad, later_bad_grad, seed=31):
+    """Five steps on a 2 x BLOCK parameter whose element BAD_AT starts at 0: a clean step, one where that
+    element's gradient is `bad` (0.0 for the comparison run), then three clean ones in which it is
+    `later_bad_grad` (None: a random value like the others). Returns (param, optimizer, state snapshot after
+    the bad step)."""
+    gen = make_generator(seed)
+    start = torch.randn(2 * BLOCK, generator=gen) * 0.5
+    start[BAD_AT] = 0.0
+    p = torch.nn.Parameter(start)
+    opt = make_opt(case, [p], state_bits=state_bits, block_size=BLOCK, min_8bit_size=0)
+    after_bad = None
+    for step in range(5):
+        g = nonzero_randn(2 * BLOCK, gen)
+        if step == 0:
+            g[BAD_AT] = 0.0
+        elif step == 1:
+            g[BAD_AT] = bad
+        elif later_bad_grad is not None:
+            g[BAD_AT] = later_bad_grad
+        p.grad = g
+        opt.step()
+        if step == 1:
+            after_bad = {k: v.clone() for k, v in all_state_tensors(opt, p).items()}
+    return p.detach(), opt, after_bad
+
+
+@pytest.mark.parametrize("bad", list(BAD_VALUES), ids=list(BAD_VALUES))
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_non_finite_gradient_damages_no_more_elements_than_with_32bit_states(case, bad):
+    """What fp32 states guarantee is the bound: after a NaN or +inf gradient element and three clean steps, no
+    more parameters are non-finite with 8-bit states than with fp32 ones (element-wise algorithms: the bad
+    element at most; LAMB and LARS: the whole tensor in both, through its norms), and no block's scale is
+    non-finite. (A NaN once spread through its whole 8-bit block within a step: 256 NaN parameters.)"""
+    p8, opt8, _ = run_with_bad_gradient(case, 8, BAD_VALUES[bad], None)
+    p32, _, _ = run_with_bad_gradient(case, 32, BAD_VALUES[bad], None)
+    damaged8, damaged32 = int((~torch.isfinite(p8)).sum()), int((~torch.isfinite(p32)).sum())
+    assert damaged8 <= damaged32, f"{case}: {damaged8} non-finite parameters with 8-bit states, {damaged32} with fp32"
+    if case in ELEMENTWISE:
+        assert damaged8 <= 1 and bool(torch.isfinite(p8[torch.arange(2 * BLOCK) != BAD_AT]).all())
+    state = opt8.state[opt8.param_groups[0]["params"][0]]
+    for name in STATE_NAMES[case]:
+        absmax = state[f"{name}_absmax"]
+        assert bool(torch.isfinite(absmax).all()), f"{case}: {name}'s scale is not finite"
+
+
+@pytest.mark.parametrize("bad", list(BAD_VALUES), ids=list(BAD_VALUES))
+@pytest.mark.parametrize("case", ELEMENTWISE + ["LAMB"])
+def test_non_finite_gradient_leaves_its_neighbours_as_a_zero_gradient_would(case, bad):
+    """The exact 8-bit property: a non-finite state value is stored as 0 and takes no part in its block's absmax.
+    So with the bad element's parameter and states at 0 before the bad step and its later gradients 0, every
+    other element's parameter and codes and every block's absmax are bitwise those of a run in which its
+    gradient was 0 throughout (its own states stay 0 there: a zero gradient on a zero parameter, weight decay
+    included; Adagrad's sum stays at its initial value, which is below its neighbours'). LAMB's moments do not
+    depend on its trust ratio (which the NaN reaches, with fp32 states too), so its codes and scales are
+    compared, not its parameters. Right after the bad step, the bad element's codes are the code of 0."""
+    p_bad, opt_bad, after_bad = run_with_bad_gradient(case, 8, BAD_VALUES[bad], 0.0)
+    p_zero, opt_zero, _ = run_with_bad_gradient(case, 8, 0.0, 0.0)
+    others = torch.arange(2 * BLOCK) != BAD_AT
+    if case != "LAMB":
+        assert_bitwise_equal(p_bad[others], p_zero[others], f"{case}: the other elements' parameters")
+    states_bad = all_state_tensors(opt_bad, opt_bad.param_groups[0]["params"][0])
+    states_zero = all_state_tensors(opt_zero, opt_zero.param_groups[0]["params"][0])
+    for name in STATE_NAMES[case]:
+        assert_bitwise_equal(states_bad[f"{name}_absmax"], states_zero[f"{name}_absmax"], f"{case}: {name}'s absmax")
+        assert_bitwise_equal(states_bad[name][others], states_zero[name][others], f"{case}: {name}'s other codes")
+        zero_code = 127 if SIGNED[name] else 0
+        assert int(after_bad[name][BAD_AT]) == zero_code, f"{case}: the bad element's {name} is not stored as 0"

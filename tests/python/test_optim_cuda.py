@@ -24,6 +24,12 @@
   quantize/dequantize ops CUDA == CPU bitwise.
 * skip_zeros bit-identity (scattered zeros and whole zero rows, +0.0 and -0.0, vector and scalar paths),
   NaN not skipped, skip_zeros on without zeros == off; bitwise repeatability; state_dict between devices.
+* A NaN or +inf gradient element with 8-bit states (general and whole-chunk loops): never more non-finite
+  parameters than with fp32 states, and the other elements' parameters, codes and every block's absmax bitwise
+  those of a run in which its gradient was 0 (docs/optim.md, "Non-finite values").
+* A NaN or negative lr written into the lr tensor: the step (eager, or a replayed graph) changes no parameter,
+  state or step count, and graphsafe.check_errors() raises a ValueError; the next step with a usable lr counts
+  its steps again (the finish counter stayed consistent).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import zlib
 import pytest
 import torch
 
+import graphsafe
 import graphsafe.optim as go
 from conftest import (
     OPTIM_CASE_NAMES,
@@ -293,6 +300,9 @@ def test_quantize_blockwise_cuda_equals_cpu_bitwise(block_size, signed):
         x = x.abs()
     x[5000:5000 + block_size] = 0.0  # an all-zero block
     x[20_000] = float("nan")
+    x[30_000], x[30_001], x[40_000] = float("inf"), float("-inf"), float("nan")  # stored as 0, out of the absmax
+    x[50_000:50_000 + block_size] = float("inf")  # a block without a finite value
+    x[60_000] = torch.tensor(0x7F800001, dtype=torch.int32).view(torch.float32)  # a signalling NaN
     codes_cpu, absmax_cpu = ops.quantize_blockwise(x, block_size, signed)
     codes_cuda, absmax_cuda = ops.quantize_blockwise(x.to(CUDA), block_size, signed)
     assert torch.equal(codes_cuda.cpu(), codes_cpu)
@@ -674,3 +684,125 @@ def test_a_group_moved_to_the_cpu_by_hand_steps_on_the_cpu(count):
         assert not p.is_cuda
         assert_bitwise_equal(p.detach(), q.detach(), "parameter stepped on the CPU")
         assert_bitwise_equal(opt.state[p]["momentum_buffer"], reference.state[q]["momentum_buffer"], "momentum")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Non-finite gradient elements with 8-bit states; an invalid lr in the lr tensor
+# --------------------------------------------------------------------------------------------------------
+
+BAD_AT = 100
+ELEMENTWISE_CASES = [c for c in OPTIM_CASE_NAMES if c not in ("LAMB", "LARS")]
+
+
+def _run_with_bad_gradient_on_cuda(case, numel, state_bits, bad):
+    """Five CUDA steps on one parameter whose element BAD_AT starts at 0 and has gradient 0 in every step but
+    the second, where it is `bad`. Returns the parameter and its states, on the CPU."""
+    gen = make_generator(stable_seed("non-finite on cuda", case, numel))
+    start = torch.randn(numel, generator=gen) * 0.5
+    start[BAD_AT] = 0.0
+    p = torch.nn.Parameter(start.to(CUDA))
+    opt = make_optimizer(case, [p], state_bits=state_bits, block_size=256, min_8bit_size=0)
+    for step in range(5):
+        g = random_grad((numel,), torch.float32, gen)
+        g = torch.where(g == 0, torch.ones_like(g), g)
+        g[BAD_AT] = bad if step == 1 else 0.0
+        p.grad = g.to(CUDA)
+        opt.step()
+    torch.cuda.synchronize()
+    return p.detach().cpu(), {k: v.cpu() for k, v in state_tensors(opt, p).items()}
+
+
+# 512 elements: a partial chunk (the general 8-bit loop); 8192: two whole chunks (the whole-chunk loop).
+@pytest.mark.parametrize("numel", [512, 8192])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
+def test_non_finite_gradient_with_8bit_states_on_cuda_damages_only_its_element(case, bad, numel):
+    p8, states8 = _run_with_bad_gradient_on_cuda(case, numel, 8, bad)
+    p32, _ = _run_with_bad_gradient_on_cuda(case, numel, 32, bad)
+    damaged8, damaged32 = int((~torch.isfinite(p8)).sum()), int((~torch.isfinite(p32)).sum())
+    assert damaged8 <= damaged32, f"{case}: {damaged8} non-finite parameters with 8-bit states, {damaged32} with fp32"
+    for name, value in states8.items():
+        if name.endswith("_absmax"):
+            assert bool(torch.isfinite(value).all()), f"{case}: {name} is not finite"
+    if case not in ELEMENTWISE_CASES:
+        return  # LAMB/LARS: the trust ratio takes the NaN to every element, with fp32 states too
+    p0, states0 = _run_with_bad_gradient_on_cuda(case, numel, 8, 0.0)
+    others = torch.arange(numel) != BAD_AT
+    assert_bitwise_equal(p8[others], p0[others], f"{case}: the other elements' parameters")
+    for name, value in states8.items():
+        if name.endswith("_absmax"):
+            assert_bitwise_equal(value, states0[name], f"{case}: {name}")
+        elif value.dtype == torch.uint8:
+            assert_bitwise_equal(value[others], states0[name][others], f"{case}: {name}'s other codes")
+
+
+def _stepped_once_on_cuda(case, state_bits, seed):
+    gen = make_generator(seed)
+    params = make_params(SHAPES, torch.float32, gen, device=CUDA, offsets=OFFSETS)
+    grads = attach_grads(params, OFFSETS)
+    opt = make_optimizer(case, params, state_bits=state_bits, min_8bit_size=0)
+    copy_into(grads, draw_grads(params, torch.float32, gen))
+    opt.step()
+    copy_into(grads, draw_grads(params, torch.float32, gen))
+    torch.cuda.synchronize()
+    return opt, params, grads, gen
+
+
+def _assert_unchanged(opt, params, before, what):
+    for i, (p, (p_before, states_before)) in enumerate(zip(params, before)):
+        assert_bitwise_equal(p.detach(), p_before, f"{what}: param {i}")
+        for k, v in state_tensors(opt, p).items():
+            assert_bitwise_equal(v, states_before[k], f"{what}: param {i} state {k}")
+
+
+@pytest.mark.parametrize("state_bits", [32, 16, 8])
+@pytest.mark.parametrize("bad", [float("nan"), -1.0], ids=["nan", "-1"])
+@pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
+def test_invalid_lr_in_the_lr_tensor_on_cuda_writes_nothing_and_is_reported(case, bad, state_bits):
+    graphsafe.check_errors()  # nothing pending from before
+    opt, params, _, _ = _stepped_once_on_cuda(case, state_bits, stable_seed("invalid lr", case, state_bits))
+    before = snapshot(opt, params)
+    lr = opt.param_groups[0]["lr"]
+    lr.fill_(bad)
+    opt.step()  # no host read of lr: nothing can be raised here
+    with pytest.raises(ValueError, match="invalid learning rate") as info:
+        graphsafe.check_errors()
+    assert not isinstance(info.value, IndexError)
+    graphsafe.check_errors()  # reported once
+    _assert_unchanged(opt, params, before, f"{case} {state_bits}-bit, lr {bad}")
+    lr.fill_(0.01)
+    opt.step()
+    torch.cuda.synchronize()
+    graphsafe.check_errors()
+    assert all(float(opt.state[p]["step"]) == 2 for p in params), "the step after the refused one did not count"
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("case", ["AdamW", "SGD", "Lion", "LAMB", "LARS"])
+def test_invalid_lr_filled_between_replays_of_a_captured_step_writes_nothing(case, state_bits):
+    graphsafe.check_errors()
+    opt, params, _, _ = _stepped_once_on_cuda(case, state_bits, stable_seed("invalid lr graph", case, state_bits))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    torch.cuda.synchronize()
+    lr = opt.param_groups[0]["lr"]
+    for replay, value in enumerate([0.01, float("nan"), -0.5, 0.02]):
+        lr.fill_(value)
+        before = snapshot(opt, params)
+        graph.replay()
+        torch.cuda.synchronize()
+        if value >= 0:
+            graphsafe.check_errors()
+            assert not torch.equal(params[-1].detach(), before[-1][0]), f"replay {replay + 1} with lr {value} did not step"
+        else:
+            with pytest.raises(ValueError, match="invalid learning rate"):
+                graphsafe.check_errors()
+            _assert_unchanged(opt, params, before, f"{case} {state_bits}-bit replay {replay + 1}, lr {value}")
+    assert all(float(opt.state[p]["step"]) == 5 for p in params)

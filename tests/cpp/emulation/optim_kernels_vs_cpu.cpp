@@ -4,7 +4,8 @@
 // 16-byte alignment, more tensors than one launch holds (5 to 9 here: tests/cpp/CMakeLists.txt), and empty
 // tensors; bf16 states (state_bits = 16);
 // and 8-bit states (state_bits = 8) with block sizes 32 to 1024; steps counted by the update kernels (a finish counter) or by a
-// launch ahead. This is CI's check of the
+// launch ahead; NaN and ±inf gradient elements (8-bit states: the same codes and scales on both backends); and a
+// NaN or negative learning rate, which every kernel must refuse without writing anything. This is CI's check of the
 // kernels' logic (indexing, barriers, shared memory, launch tables); the GPU itself is checked by
 // tests/python/test_optim_cuda.py on a device.
 #include <gtest/gtest.h>
@@ -12,9 +13,11 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/numeric.h"
+#include "graphsafe/errors.h"
 #include "graphsafe/optim.h"
 
 using namespace graphsafe;
@@ -23,6 +26,15 @@ namespace {
 
 // With 16-bit states and skip_zeros, elements kNanSeedElement, + 97, ... hold a NaN payload and never update.
 constexpr int64_t kNanSeedElement = 5;
+
+// Problem sizes. Sanitizer builds (GRAPHSAFE_EMULATION_SMALL: tests/cpp/CMakeLists.txt), where every emulated
+// thread is costly, run every case with at most 5 tensors (their smaller table holds 2 to 4 a launch, so still
+// several launches), 2 steps (both ways of counting steps) and tensors of at most a 4096-element chunk and a few.
+#if defined(GRAPHSAFE_EMULATION_SMALL)
+constexpr int kMaxTensors = 5, kMaxSteps = 2, kLargeChunks = 1, kSmallNumel = 700;
+#else
+constexpr int kMaxTensors = 1 << 20, kMaxSteps = 1 << 20, kLargeChunks = 3, kSmallNumel = 3000;
+#endif
 
 template <class T>
 uint32_t raw_bits(T x) {
@@ -34,18 +46,21 @@ uint32_t raw_bits(T x) {
 // Runs `steps` steps of the same problem through both backends; returns the number of mismatches. With
 // state_bits = 16 the states are bf16 (in the float buffers' bytes), with state_bits = 8 blockwise 8-bit codes
 // of block_size elements. Both backends run the same fp32 operations in the same order, so parameters, states
-// (or codes and absmax) must agree bit for bit.
+// (or codes and absmax) must agree bit for bit. With non_finite, every 331st gradient element (a different one
+// each step) is NaN, +inf or -inf, and parameters are compared element by element (NaN with NaN).
 template <class T>
 int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, int state_bits = 32,
-            int block_size = 256) {
+            int block_size = 256, bool non_finite = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
+  tensors = tensors < kMaxTensors ? tensors : kMaxTensors;
+  steps = steps < kMaxSteps ? steps : kMaxSteps;
   const int states = optim_state_count(o);
   std::vector<int64_t> numel(tensors);
   std::vector<int> offset(tensors);  // elements: an offset of 1-2 breaks 16-byte alignment
   for (int t = 0; t < tensors; ++t) {
     const int kind = rng() % 6;
-    numel[t] = kind == 0 ? 0 : kind == 1 ? 4096 * (1 + rng() % 3) + rng() % 7 : 1 + rng() % 3000;
+    numel[t] = kind == 0 ? 0 : kind == 1 ? 4096 * (1 + rng() % kLargeChunks) + rng() % 7 : 1 + rng() % kSmallNumel;
     offset[t] = rng() % 3 == 0 ? 1 + rng() % 2 : 0;
   }
   std::vector<std::vector<T>> param_cpu(tensors), param_emu(tensors), param_start(tensors), grad(tensors);
@@ -91,6 +106,7 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, 
         float g = normal(rng);
         if (o.skip_zeros && rng() % 4 == 0) g = rng() % 2 ? 0.0f : -0.0f;
         if (state_bits == 16 && o.skip_zeros && i % 97 == kNanSeedElement) g = 0.0f;
+        if (non_finite && i % 331 == 7 * s + 3) g = (i / 331 + s) % 3 == 0 ? NAN : (i / 331 + s) % 3 == 1 ? INFINITY : -INFINITY;
         grad[t][offset[t] + i] = ElementTraits<T>::store(g);
         if (g != 0.0f) never_updated[t][i] = 0;
       }
@@ -146,6 +162,14 @@ int compare(OptimOptions o, int tensors, int steps, uint32_t seed, DType dtype, 
     for (int64_t i = 0; i < numel[t]; ++i) {
       const float c = ElementTraits<T>::load(param_cpu[t][offset[t] + i]);
       const float e = ElementTraits<T>::load(param_emu[t][offset[t] + i]);
+      if (non_finite) {
+        if (!(raw_bits(c) == raw_bits(e) || (std::isnan(c) && std::isnan(e)))) {
+          ADD_FAILURE() << "algorithm " << int(o.algorithm) << " tensor " << t << " element " << i << ": param " << c
+                        << " (cpu) and " << e << " (emulated cuda)";
+          return mismatches + 1;
+        }
+        continue;
+      }
       diff += double(c - e) * (c - e);
       norm += double(c) * c;
       // skip_zeros: an element whose gradient was zero on every step keeps its exact bits on both backends.
@@ -286,6 +310,115 @@ TEST(OptimKernelsEmulated, StandaloneQuantizationMatchesTheCpu) {
       for (int64_t i = 0; i < numel; ++i) {
         ASSERT_EQ(codes_cpu[i], codes_emu[i]) << "block size " << block_size << " element " << i;
         ASSERT_EQ(raw_bits(out_cpu[i]), raw_bits(out_emu[i])) << "block size " << block_size << " element " << i;
+      }
+    }
+  }
+}
+
+// Non-finite gradient elements with 8-bit states: both backends leave the non-finite states out of the block's
+// absmax and give them the code of 0 (the CUDA step through its branch-free normalized_or_nan_fused), so codes,
+// absmax and parameters agree bit for bit, for every algorithm, block sizes across and within warps, fp32 and bf16.
+TEST(OptimKernelsEmulated, NonFiniteGradientsWith8BitStatesMatchTheCpuBackend) {
+  for (int algorithm = 0; algorithm < 9; ++algorithm) {
+    OptimOptions o;
+    o.algorithm = OptimAlgorithm(algorithm);
+    o.weight_decay = 0.1;
+    o.momentum = (o.algorithm == OptimAlgorithm::SGD || o.algorithm == OptimAlgorithm::RMSprop ||
+                  o.algorithm == OptimAlgorithm::LARS) ? 0.9 : 0.0;
+    o.centered = o.algorithm == OptimAlgorithm::RMSprop;
+    o.amsgrad = o.algorithm == OptimAlgorithm::Adam;
+    o.trust_coefficient = 0.02;
+    const uint32_t seed = 500 + algorithm;
+    EXPECT_EQ(compare<float>(o, 6, 3, seed, DType::Float32, 8, algorithm % 2 ? 256 : 64, true), 0)
+        << "8-bit fp32, algorithm " << algorithm;
+    EXPECT_EQ(compare<bf16_t>(o, 4, 2, seed + 1, DType::BFloat16, 8, 512, true), 0)
+        << "8-bit bf16, algorithm " << algorithm;
+  }
+}
+
+// A NaN or negative learning rate in device memory: every kernel of the step (element-wise with and without a
+// finish counter, LAMB/LARS's three, the step-counting launch ahead) writes nothing, the finish counter stays
+// 0, and the error record names the value; +inf is a usable learning rate.
+TEST(OptimKernelsEmulated, AnInvalidLearningRateWritesNothingAndIsRecorded) {
+  for (OptimAlgorithm algorithm : {OptimAlgorithm::AdamW, OptimAlgorithm::SGD, OptimAlgorithm::LAMB, OptimAlgorithm::LARS}) {
+    for (int state_bits : {32, 16, 8}) {
+      for (bool counter : {false, true}) {
+        for (float lr : {NAN, -1.0f, -0.0f, INFINITY}) {
+          OptimOptions o;
+          o.algorithm = algorithm;
+          o.momentum = 0.9;
+          o.weight_decay = 0.1;
+          const int states = optim_state_count(o);
+          const int64_t numels[3] = {5000, 0, 4096};
+          std::vector<std::vector<float>> param(3), grad(3), state(3 * states);
+          std::vector<std::vector<uint8_t>> codes(3 * states);
+          std::vector<std::vector<float>> absmax(3 * states);
+          float steps[3] = {4.0f, 0.0f, 7.0f};
+          OptimTensor tensors[3];
+          std::mt19937 rng(9);
+          std::normal_distribution<float> normal;
+          for (int t = 0; t < 3; ++t) {
+            param[t].resize(numels[t]);
+            grad[t].resize(numels[t]);
+            for (auto& x : param[t]) x = normal(rng);
+            for (auto& x : grad[t]) x = normal(rng);
+            tensors[t].param = param[t].data();
+            tensors[t].grad = grad[t].data();
+            tensors[t].step = &steps[t];
+            tensors[t].numel = numels[t];
+            for (int j = 0; j < states; ++j) {
+              auto& st = state[t * states + j];
+              st.resize(numels[t] + 1);
+              for (auto& x : st) x = std::fabs(normal(rng));
+              codes[t * states + j].assign(numels[t] + 1, 0);
+              absmax[t * states + j].assign(numels[t] / 32 + 2, 0.0f);
+              if (state_bits == 8) {
+                quantize_blockwise_cpu(st.data(), numels[t], 256, optim_state_is_signed(o, j), codes[t * states + j].data(),
+                                       absmax[t * states + j].data());
+                tensors[t].codes[j] = codes[t * states + j].data();
+                tensors[t].absmax[j] = absmax[t * states + j].data();
+              } else {
+                tensors[t].state[j] = st.data();  // bf16 states read the same bytes as pairs of halves
+              }
+            }
+          }
+          const auto param_before = param;
+          const auto state_before = state;
+          const auto codes_before = codes;
+          const auto absmax_before = absmax;
+          std::vector<float> workspace(optim_workspace_bytes(Backend::Cuda, o, numels, 3) / 4 + 1, 0.0f);
+          uint32_t finish_counter = 0;
+          DeviceErrorRecord record{0, 0, 0};
+          OptimStepArgs args;
+          args.options = o;
+          args.lr = &lr;
+          args.increment_steps = true;
+          args.finish_counter = counter ? &finish_counter : nullptr;
+          args.error = &record;
+          args.state_bits = state_bits;
+          optim_step_cuda(args, tensors, 3, workspace.data(), workspace.size() * 4, nullptr);
+          const std::string what = "algorithm " + std::to_string(int(algorithm)) + " bits " +
+                                   std::to_string(state_bits) + " counter " + std::to_string(counter) + " lr " +
+                                   std::to_string(lr);
+          EXPECT_EQ(finish_counter, 0u) << what;
+          if (lr >= 0.0f) {  // -0.0 and +inf are usable: the step ran
+            EXPECT_EQ(record.code, 0) << what;
+            EXPECT_EQ(steps[0], 5.0f) << what;
+            EXPECT_EQ(steps[1], 1.0f) << what;
+            continue;
+          }
+          EXPECT_EQ(record.code, int64_t(DeviceErrorCode::InvalidLearningRate)) << what;
+          EXPECT_EQ(uint32_t(record.bad_value), raw_bits(lr)) << what;
+          EXPECT_EQ(steps[0], 4.0f) << what;
+          EXPECT_EQ(steps[1], 0.0f) << what;
+          EXPECT_EQ(steps[2], 7.0f) << what;
+          EXPECT_TRUE(param == param_before) << what;
+          for (std::size_t k = 0; k < state.size(); ++k) {
+            EXPECT_EQ(std::memcmp(state[k].data(), state_before[k].data(), state[k].size() * 4), 0) << what;
+            EXPECT_TRUE(codes[k] == codes_before[k]) << what;
+            EXPECT_EQ(std::memcmp(absmax[k].data(), absmax_before[k].data(), absmax[k].size() * 4), 0) << what;
+          }
+        }
       }
     }
   }

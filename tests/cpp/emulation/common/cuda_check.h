@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <barrier>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -57,6 +58,12 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
   return old;
 }
 inline void __threadfence() {}
+inline void __threadfence_system() {}
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
 
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
