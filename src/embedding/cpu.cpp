@@ -38,7 +38,10 @@ template <class T>
 void reduce_row(const T* grad, int64_t dim, const uint64_t* sorted, int64_t begin, int64_t end,
                 bool scale_grad_by_freq, T* out_row, RowScratch<typename ElementTraits<T>::Acc>& scratch) {
   using Acc = typename ElementTraits<T>::Acc;
-  auto& [total, group_sum, tile_sum] = scratch;
+  // Plain references, not a structured binding: clang before 16 (the fuzz build's) cannot capture one in a lambda.
+  auto& total = scratch.total;
+  auto& group_sum = scratch.group_sum;
+  auto& tile_sum = scratch.tile_sum;
   auto sum_occurrences = [&](std::vector<Acc>& acc, int64_t from, int64_t to) {
     std::fill(acc.begin(), acc.end(), Acc(0));
     for (int64_t j = from; j < to; ++j) {
@@ -80,7 +83,9 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* 
   const auto* grad = static_cast<const T*>(a.grad);
   const int64_t n = a.num_indices, dim = a.dim;
   check_indices_in_range(indices, n, a.num_weights);
-  std::memset(out, 0, static_cast<std::size_t>(a.num_weights * dim) * sizeof(T));  // all-zero bits are +0
+  // All-zero bits are +0. An empty result may come with a null `out`, which memset must not get even for 0 bytes.
+  const std::size_t out_bytes = static_cast<std::size_t>(a.num_weights * dim) * sizeof(T);
+  if (out_bytes > 0) std::memset(out, 0, out_bytes);
   if (n == 0 || dim == 0) return;
 
   // Sorting (row, position) pairs orders each row's occurrences by position: the documented order.

@@ -187,3 +187,24 @@ TEST(EmbeddingCpu, HalfPrecisionRoundsOnceFromFp32) {
   // The exact sum 1535.75 rounds once to 1536; an fp16 running sum would have stayed at 1024.
   EXPECT_EQ(to_float(out), 1536.0f);
 }
+
+// An empty result (no rows, or rows of width 0) may come with a null output pointer, which the C library's
+// memset must not be handed even for 0 bytes (UBSan's nonnull-attribute check; CI's sanitizer stage).
+TEST(EmbeddingCpu, EmptyResultWithNullOutput) {
+  std::vector<unsigned char> ws(embedding_backward_workspace_bytes(Backend::Cpu, DType::Float32, 3, 0, 5));
+  const int64_t indices[3] = {4, 0, 4};
+  EmbeddingBackwardArgs a;
+  a.indices = indices;
+  a.num_indices = 3;
+  a.dim = 0;  // D = 0: rows of width 0, grad may be null
+  a.num_weights = 5;
+  EXPECT_NO_THROW(embedding_backward_dense_cpu(a, nullptr, ws.data(), ws.size()));
+  a.num_indices = 0;
+  a.dim = 4;
+  a.num_weights = 0;  // no rows at all
+  EXPECT_NO_THROW(embedding_backward_dense_cpu(a, nullptr, ws.data(), ws.size()));
+  a.num_indices = 3;
+  a.dim = 0;
+  a.num_weights = 4;  // index 4 is out of range even though nothing would be written
+  EXPECT_THROW(embedding_backward_dense_cpu(a, nullptr, ws.data(), ws.size()), std::out_of_range);
+}
