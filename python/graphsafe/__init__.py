@@ -3,10 +3,11 @@
 import importlib
 
 from . import ops, nn, optim
-from ._errors import DeviceIndexError, check_errors
+from ._errors import DeviceIndexError, DeviceValueError, check_errors
 from ._C import cuda_available as _cuda_backend_built
 
-__all__ = ["ops", "nn", "optim", "graph", "compile_step", "check_errors", "DeviceIndexError", "cuda_backend_built"]
+__all__ = ["ops", "nn", "optim", "graph", "compile_step", "check_errors", "DeviceIndexError", "DeviceValueError",
+           "cuda_backend_built"]
 __version__ = "0.1.0"
 
 

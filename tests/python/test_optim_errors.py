@@ -581,3 +581,21 @@ def test_infinite_or_zero_lr_in_the_lr_tensor_is_accepted(case, good):
     opt.param_groups[0]["lr"].fill_(good)
     opt.step()
     assert float(opt.state[params[0]]["step"]) == 2.0
+
+
+@pytest.mark.parametrize("case", ["AdamW", "SGD", "LAMB"])
+def test_invalid_lr_in_a_later_group_leaves_every_group_unchanged(case):
+    # The step checks every group's lr before issuing any group's update: nothing half-applied.
+    gen = make_generator(62)
+    first, second = make_params([(300,)], torch.float32, gen), make_params([(70,)], torch.float32, gen)
+    cls, kw = CASES[case]
+    opt = cls([{"params": first}, {"params": second}], **kw)
+    for p in first + second:
+        p.grad = random_grad(p.shape, torch.float32, gen)
+    opt.step()
+    before = _everything(opt, first + second)
+    opt.param_groups[1]["lr"].fill_(float("nan"))
+    with pytest.raises(ValueError, match="invalid learning rate"):
+        opt.step()
+    for i, (a, b) in enumerate(zip(_everything(opt, first + second), before)):
+        assert_bitwise_equal(a, b, f"tensor {i} (parameters, then states and steps)")

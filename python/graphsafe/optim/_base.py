@@ -23,6 +23,7 @@ from torch.autograd import _profiler_enabled
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import _C, ops
+from .._errors import raise_pending_device_error
 from .._tensor_checks import require_readable, unreadable_reason
 
 try:  # what torch.compile checks its inputs' tensors with, in C++ (_tensor_guard)
@@ -616,8 +617,19 @@ class GraphsafeOptimizer(torch.optim.Optimizer):
             if not isinstance(lr, Tensor):
                 _check_lr(lr)
             group["lr"] = lr = _lr_tensor(lr, device)
+        if device.type == "cuda":
+            # An error a kernel recorded earlier (an invalid lr in a step before this one, an out-of-range index)
+            # is raised here, before anything of this step is issued (reads mapped host memory; no sync).
+            raise_pending_device_error()
+            finish_counter = self._finish_counter(device)
+        else:
+            # The CPU core refuses an invalid lr itself, but only when its call comes: read here (host memory),
+            # so that no group of the step is applied when a later one's lr is invalid.
+            if not lr.item() >= 0.0:
+                raise ValueError(f"invalid learning rate {lr.item()} in the optimizer's lr tensor (it must be >= 0): "
+                                 "the step changed nothing")
+            finish_counter = 0
         block_size = group["block_size"]
-        finish_counter = self._finish_counter(device) if device.type == "cuda" else 0
 
         def issue() -> None:
             stream = _current_stream(device)
