@@ -16,7 +16,7 @@ echo "built in $((SECONDS-START)) s"
 (cmake -S . -B build/cpp -G Ninja -DGRAPHSAFE_BUILD_TESTS=ON -DGRAPHSAFE_GTEST_SOURCE_DIR="$PWD/.deps/googletest" \
   && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$OUT/ctest.log" 2>&1 &
 CTEST=$!
-timeout 330 python3 -m pytest -q -p no:cacheprovider $TIMEOUT_ARG ${PYTEST_FILES:-tests/python/test_embedding_cuda.py tests/python/test_embedding_lookup.py tests/python/test_optim_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
+timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider $TIMEOUT_ARG ${PYTEST_FILES:-tests/python/test_embedding_cuda.py tests/python/test_embedding_lookup.py tests/python/test_optim_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
 echo "pytest rc=$? at $((SECONDS-START)) s: $(tail -1 "$OUT/pytest_cuda.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20
 wait $CTEST
@@ -27,13 +27,13 @@ echo "ctest at $((SECONDS-START)) s: $(grep -E 'tests passed|tests failed' "$OUT
 # seen. Reports and summaries go to $OUT/sanitizer_*.txt.
 if [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=$([ $tool = memcheck ] && echo 1 || echo 0) timeout 300 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$([ $tool = memcheck ] && echo 1 || echo 0) timeout ${SANITIZE_TIMEOUT:-240} \
       compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 50 python3 tools/sanitizer_cases.py \
       > "$OUT/sanitizer_$tool.txt" 2>&1
     echo "compute-sanitizer $tool (tools/sanitizer_cases.py): rc=$? at $((SECONDS-START)) s;" \
       "$(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|sanitizer cases' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
   done
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 50 build/cpp/tests/cpp/graphsafe_tests \
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 50 build/cpp/tests/cpp/graphsafe_tests \
     --gtest_brief=1 > "$OUT/sanitizer_memcheck_cpp.txt" 2>&1
   echo "compute-sanitizer memcheck (C++ tests): rc=$? at $((SECONDS-START)) s;" \
     "$(grep -hE 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitizer_memcheck_cpp.txt" | tr '\n' ' ')"
