@@ -4,9 +4,8 @@
 // Fuzzed: block size (32 to 1024, and invalid ones), signed or unsigned map, length (0, 1, block size +-1,
 // several blocks plus a tail, up to 4 blocks of 1024), value families over many decades (zeros, subnormals, values
 // far apart in one block) and raw fuzzed bits.
-// Checked, for every block whose values are all finite (blocks holding NaN or inf are only run: how they are
-// scaled is the 8-bit non-finite contract, owned by src/optim and its tests):
-//   * absmax is the largest |value|, bit for bit;
+// Checked, for every block (a NaN or ±inf value counts as 0: docs/optim.md, "Non-finite values"):
+//   * absmax is the largest |value| among the finite values (0 if none), bit for bit;
 //   * each code is the nearest map value to value / absmax, the one nearer zero on a tie, found by scanning all
 //     256 map values in fp64, with value / absmax formed as src/optim/blockwise.h documents it (times the fp32
 //     reciprocal of absmax, both scaled by 2^24 first for a subnormal absmax); and within one code of the nearest
@@ -110,24 +109,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t begin = blk * block_size, end = std::min(numel, begin + block_size);
     float largest = 0.0f;
-    bool finite = true;
-    for (int64_t i = begin; i < end; ++i) {
-      finite &= std::isfinite(x[i]);
-      largest = std::fmax(largest, std::fabs(x[i]));
-    }
-    if (!finite) continue;
+    for (int64_t i = begin; i < end; ++i)
+      if (std::isfinite(x[i])) largest = std::fmax(largest, std::fabs(x[i]));
     FUZZ_CHECK(fuzz::bits_of(absmax[blk]) == fuzz::bits_of(largest), "block %lld: absmax %a, largest |x| %a\n",
                (long long)blk, absmax[blk], largest);
     // value / absmax as blockwise.h forms it: value * (1 / absmax), both scaled by 2^24 for a subnormal absmax.
     const float prescale = largest < 1.17549435e-38f ? 16777216.0f : 1.0f;
     const float inverse = largest > 0.0f ? 1.0f / (largest * prescale) : 0.0f;
     for (int64_t i = begin; i < end; ++i) {
-      const float normalized = (x[i] * prescale) * inverse;
+      const float value = std::isfinite(x[i]) ? x[i] : 0.0f;  // stored as a 0 would be
+      const float normalized = (value * prescale) * inverse;
       const int want = nearest_code(map, normalized);
       FUZZ_CHECK(codes[i] == want, "element %lld = %a in block %lld (absmax %a): code %d, nearest %d (x/absmax %a)\n",
                  (long long)i, x[i], (long long)blk, largest, codes[i], want, normalized);
       if (largest > 0.0f) {
-        const int exact = nearest_code(map, static_cast<float>(static_cast<double>(x[i]) / largest));
+        const int exact = nearest_code(map, static_cast<float>(static_cast<double>(value) / largest));
         FUZZ_CHECK(std::abs(exact - want) <= 1, "element %lld: code %d, exact quotient's %d\n", (long long)i, want,
                    exact);
       }
