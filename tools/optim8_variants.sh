@@ -4,7 +4,7 @@
 # times alternating. A variant is a name and CUDA compile definitions that an experiment in the kernels reads
 # (say a macro choosing between two versions of a loop; the code on main has none). Logs go to $OUT.
 #   bash tools/optim8_variants.sh "base:" "wide:-DEXPERIMENT_WIDE_LOOP=1" ...
-# (The seventh session's comparison in docs/benchmarks.md was made this way.)
+# (The seventh session's comparison in docs/benchmarks-history.md was made this way.)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-2}
