@@ -17,14 +17,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 
+#include "graphsafe/optim_algorithms.h"
 #include "graphsafe/types.h"
 
 namespace graphsafe {
 
 struct DeviceErrorRecord;  // graphsafe/errors.h
-
-enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix };
 
 // Hyperparameters are doubles, like torch's Python floats: derived constants (1 - beta, lr * weight_decay,
 // bias corrections) are formed in double and rounded to fp32 once, as torch does.
@@ -57,9 +57,9 @@ struct OptimOptions {
 struct OptimTensor {
   void* param = nullptr;        // param dtype
   const void* grad = nullptr;   // same dtype as the parameter
-  void* state[4] = {nullptr, nullptr, nullptr, nullptr};  // fp32 (state_bits 32) or bf16 (16)
-  uint8_t* codes[4] = {nullptr, nullptr, nullptr, nullptr};
-  float* absmax[4] = {nullptr, nullptr, nullptr, nullptr};
+  void* state[kMaxOptimStates] = {};  // fp32 (state_bits 32) or bf16 (16)
+  uint8_t* codes[kMaxOptimStates] = {};
+  float* absmax[kMaxOptimStates] = {};
   float* step = nullptr;  // this parameter's step number: 1 on its first step (see OptimStepArgs::increment_steps)
   int64_t numel = 0;
 };
@@ -87,11 +87,36 @@ struct OptimStepArgs {
   int block_size = 256;
 };
 
-// Number of fp32 state buffers the algorithm keeps per parameter, and their meaning, in order:
-//   Adam/AdamW: exp_avg, exp_avg_sq[, max_exp_avg_sq if amsgrad]   SGD: [momentum_buffer if momentum != 0]
-//   RMSprop: square_avg[, grad_avg if centered][, momentum_buffer if momentum > 0]   Adagrad: sum
-//   Lion: exp_avg   LAMB: exp_avg, exp_avg_sq   LARS: momentum_buffer   AdEMAMix: exp_avg, exp_avg_slow, exp_avg_sq
-int optim_state_count(const OptimOptions& options);
+// Whether a state of this presence exists under these options (graphsafe/optim_algorithms.h).
+constexpr bool optim_state_present(const OptimOptions& o, StatePresence presence) {
+  switch (presence) {
+    case StatePresence::Always: return true;
+    case StatePresence::IfAmsgrad: return o.amsgrad;
+    case StatePresence::IfMomentumNonZero: return o.momentum != 0.0;
+    case StatePresence::IfMomentumPositive: return o.momentum > 0.0;
+    case StatePresence::IfCentered: return o.centered;
+  }
+  return false;
+}
+
+// Number of state buffers the algorithm keeps per parameter under these options: the table's states
+// (graphsafe/optim_algorithms.h) that are present, in the table's order; state j of a step is the j-th of them.
+constexpr int optim_state_count(const OptimOptions& o) {
+  int n = 0;
+  for (const OptimStateSpec& s : optim_algorithm_spec(o.algorithm).states)
+    n += s.name != nullptr && optim_state_present(o, s.presence);
+  return n;
+}
+
+// The table's entry of state j (0 <= j < optim_state_count(o)).
+const OptimStateSpec& optim_state_spec(const OptimOptions& o, int j);
+
+// The algorithm of a table name ("adamw"); std::invalid_argument for an unknown one.
+OptimAlgorithm optim_algorithm_from_name(std::string_view name);
+
+// Sets the option of this name (an OptimOptions field, by the name the table uses; a flag from a value != 0);
+// std::invalid_argument for a name that is not one of o.algorithm's options, maximize or skip_zeros.
+void set_optim_option(OptimOptions& o, std::string_view name, double value);
 
 // Throws std::invalid_argument naming the first invalid hyperparameter.
 void validate_optim_options(const OptimOptions& options);

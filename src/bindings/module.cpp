@@ -70,39 +70,53 @@ void run_on(const std::string& device_type, int device_index, Cpu&& cpu, Cuda&& 
 
 void* as_pointer(std::uintptr_t address) { return reinterpret_cast<void*>(address); }
 
-OptimAlgorithm algorithm_from_name(const std::string& name) {
-  static const std::map<std::string, OptimAlgorithm> names = {
-      {"adam", OptimAlgorithm::Adam},       {"adamw", OptimAlgorithm::AdamW}, {"sgd", OptimAlgorithm::SGD},
-      {"rmsprop", OptimAlgorithm::RMSprop}, {"adagrad", OptimAlgorithm::Adagrad}, {"lion", OptimAlgorithm::Lion},
-      {"lamb", OptimAlgorithm::LAMB},       {"lars", OptimAlgorithm::LARS},   {"ademamix", OptimAlgorithm::AdEMAMix}};
-  const auto it = names.find(name);
-  if (it == names.end()) throw std::invalid_argument("unknown optimizer algorithm '" + name + "'");
-  return it->second;
-}
-
-// Options arrive as a {name: number} map (booleans as 0/1) so Python can name only what it sets.
+// Options arrive as a {name: number} map (booleans as 0/1) so Python can name only what it sets; the names and
+// which algorithm takes which are the table's (graphsafe/optim_algorithms.h).
 OptimOptions optim_options(const std::string& algorithm, const std::map<std::string, double>& values) {
   OptimOptions o;
-  o.algorithm = algorithm_from_name(algorithm);
-  // Built once: every eager step converts its options here.
-  static const std::map<std::string, double OptimOptions::*> numbers = {
-      {"beta1", &OptimOptions::beta1},         {"beta2", &OptimOptions::beta2},
-      {"beta3", &OptimOptions::beta3},         {"eps", &OptimOptions::eps},
-      {"weight_decay", &OptimOptions::weight_decay}, {"momentum", &OptimOptions::momentum},
-      {"dampening", &OptimOptions::dampening}, {"alpha", &OptimOptions::alpha},
-      {"lr_decay", &OptimOptions::lr_decay},   {"mix_alpha", &OptimOptions::mix_alpha},
-      {"alpha_warmup", &OptimOptions::alpha_warmup}, {"beta3_warmup", &OptimOptions::beta3_warmup},
-      {"trust_coefficient", &OptimOptions::trust_coefficient}};
-  static const std::map<std::string, bool OptimOptions::*> flags = {
-      {"amsgrad", &OptimOptions::amsgrad},   {"maximize", &OptimOptions::maximize},
-      {"nesterov", &OptimOptions::nesterov}, {"centered", &OptimOptions::centered},
-      {"bias_correction", &OptimOptions::bias_correction}, {"skip_zeros", &OptimOptions::skip_zeros}};
-  for (const auto& [key, v] : values) {
-    if (auto n = numbers.find(key); n != numbers.end()) o.*(n->second) = v;
-    else if (auto f = flags.find(key); f != flags.end()) o.*(f->second) = v != 0.0;
-    else throw std::invalid_argument("unknown optimizer option '" + key + "'");
-  }
+  o.algorithm = optim_algorithm_from_name(algorithm);
+  for (const auto& [key, v] : values) set_optim_option(o, key, v);
   return o;
+}
+
+const char* presence_name(StatePresence presence) {
+  switch (presence) {
+    case StatePresence::Always: return "always";
+    case StatePresence::IfAmsgrad: return "amsgrad";
+    case StatePresence::IfMomentumNonZero: return "momentum != 0";
+    case StatePresence::IfMomentumPositive: return "momentum > 0";
+    case StatePresence::IfCentered: return "centered";
+  }
+  return "?";
+}
+
+// The table as Python sees it: {name: {"layerwise": bool, "options": [...], "states": [{"name", "signed",
+// "present_when", "storage_bits": [...]}, ...]}}.
+nb::dict optim_algorithm_table() {
+  nb::dict table;
+  for (const OptimAlgorithmSpec& spec : kOptimAlgorithms) {
+    nb::list options, states;
+    for (const char* option : spec.options)
+      if (option != nullptr) options.append(option);
+    for (const OptimStateSpec& state : spec.states) {
+      if (state.name == nullptr) continue;
+      nb::list bits;
+      for (int b : {32, 16, 8})
+        if (state.storage & (b == 32 ? kStorage32 : b == 16 ? kStorage16 : kStorage8)) bits.append(b);
+      nb::dict entry;
+      entry["name"] = state.name;
+      entry["signed"] = state.is_signed;
+      entry["present_when"] = presence_name(state.presence);
+      entry["storage_bits"] = bits;
+      states.append(entry);
+    }
+    nb::dict entry;
+    entry["layerwise"] = spec.layerwise;
+    entry["options"] = options;
+    entry["states"] = states;
+    table[spec.name] = entry;
+  }
+  return table;
 }
 
 }  // namespace
@@ -180,6 +194,21 @@ NB_MODULE(_C, m) {
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("out"), nb::arg("weight"),
       nb::arg("element_bytes"), nb::arg("indices"), nb::arg("index_dtype"), nb::arg("num_indices"), nb::arg("dim"),
       nb::arg("num_weights"));
+
+  m.def(
+      "optim_algorithms", &optim_algorithm_table,
+      "The algorithm table (graphsafe/optim_algorithms.h): per name, layer-wise or not, its options and its "
+      "states (name, signed map, when present, storage widths).");
+
+  m.def(
+      "optim_state_names",
+      [](const std::string& algorithm, const std::map<std::string, double>& options) {
+        const OptimOptions o = optim_options(algorithm, options);
+        std::vector<std::string> names;
+        for (int j = 0; j < optim_state_count(o); ++j) names.emplace_back(optim_state_spec(o, j).name);
+        return names;
+      },
+      nb::arg("algorithm"), nb::arg("options"), "The names of the states kept under these options, in order.");
 
   m.def(
       "optim_state_count",

@@ -1,8 +1,10 @@
-// Optimizer options: validation, state counts and workspace sizes, shared by both backends.
+// Optimizer options and the algorithm table's queries (graphsafe/optim_algorithms.h): names, option fields,
+// state specs, validation, workspace sizes; shared by both backends and the bindings.
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "graphsafe/optim.h"
 #include "optim/blockwise.h"
@@ -18,19 +20,81 @@ void require(bool ok, const std::string& what) {
 std::string value(double v) { return std::to_string(v); }
 }  // namespace
 
-int optim_state_count(const OptimOptions& o) {
-  switch (o.algorithm) {
-    case OptimAlgorithm::Adam:
-    case OptimAlgorithm::AdamW: return o.amsgrad ? 3 : 2;
-    case OptimAlgorithm::SGD: return o.momentum != 0.0 ? 1 : 0;
-    case OptimAlgorithm::RMSprop: return 1 + (o.centered ? 1 : 0) + (o.momentum > 0.0 ? 1 : 0);
-    case OptimAlgorithm::Adagrad: return 1;
-    case OptimAlgorithm::Lion: return 1;
-    case OptimAlgorithm::LAMB: return 2;
-    case OptimAlgorithm::LARS: return 1;
-    case OptimAlgorithm::AdEMAMix: return 3;
+const OptimStateSpec& optim_state_spec(const OptimOptions& o, int j) {
+  int present = 0;
+  for (const OptimStateSpec& s : optim_algorithm_spec(o.algorithm).states)
+    if (s.name != nullptr && optim_state_present(o, s.presence) && present++ == j) return s;
+  throw std::invalid_argument("optimizer state " + std::to_string(j) + " out of range: " +
+                              optim_algorithm_spec(o.algorithm).name + " keeps " +
+                              std::to_string(optim_state_count(o)) + " states with these options");
+}
+
+OptimAlgorithm optim_algorithm_from_name(std::string_view name) {
+  for (const OptimAlgorithmSpec& spec : kOptimAlgorithms)
+    if (name == spec.name) return spec.algorithm;
+  throw std::invalid_argument("unknown optimizer algorithm '" + std::string(name) + "'");
+}
+
+namespace {
+// Every option an algorithm of the table may name: the OptimOptions field it sets.
+struct OptionField {
+  const char* name;
+  double OptimOptions::*number;
+  bool OptimOptions::*flag;
+};
+constexpr OptionField kOptionFields[] = {
+    {"beta1", &OptimOptions::beta1, nullptr},
+    {"beta2", &OptimOptions::beta2, nullptr},
+    {"beta3", &OptimOptions::beta3, nullptr},
+    {"eps", &OptimOptions::eps, nullptr},
+    {"weight_decay", &OptimOptions::weight_decay, nullptr},
+    {"momentum", &OptimOptions::momentum, nullptr},
+    {"dampening", &OptimOptions::dampening, nullptr},
+    {"alpha", &OptimOptions::alpha, nullptr},
+    {"lr_decay", &OptimOptions::lr_decay, nullptr},
+    {"mix_alpha", &OptimOptions::mix_alpha, nullptr},
+    {"alpha_warmup", &OptimOptions::alpha_warmup, nullptr},
+    {"beta3_warmup", &OptimOptions::beta3_warmup, nullptr},
+    {"trust_coefficient", &OptimOptions::trust_coefficient, nullptr},
+    {"amsgrad", nullptr, &OptimOptions::amsgrad},
+    {"maximize", nullptr, &OptimOptions::maximize},
+    {"nesterov", nullptr, &OptimOptions::nesterov},
+    {"centered", nullptr, &OptimOptions::centered},
+    {"bias_correction", nullptr, &OptimOptions::bias_correction},
+    {"skip_zeros", nullptr, &OptimOptions::skip_zeros},
+};
+
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != 0 && *a == *b) ++a, ++b;
+  return *a == *b;
+}
+
+// Every option the table names has a field.
+constexpr bool table_options_have_fields() {
+  for (const OptimAlgorithmSpec& spec : kOptimAlgorithms)
+    for (const char* option : spec.options) {
+      if (option == nullptr) continue;
+      bool found = false;
+      for (const OptionField& field : kOptionFields) found = found || same_name(option, field.name);
+      if (!found) return false;
+    }
+  return true;
+}
+static_assert(table_options_have_fields(), "an option in kOptimAlgorithms has no OptimOptions field");
+}  // namespace
+
+void set_optim_option(OptimOptions& o, std::string_view name, double value) {
+  const OptimAlgorithmSpec& spec = optim_algorithm_spec(o.algorithm);
+  bool taken = name == "maximize" || name == "skip_zeros";
+  for (const char* option : spec.options) taken = taken || (option != nullptr && name == option);
+  if (!taken)
+    throw std::invalid_argument("unknown optimizer option '" + std::string(name) + "' for " + spec.name);
+  for (const OptionField& field : kOptionFields) {
+    if (name != field.name) continue;
+    if (field.number != nullptr) o.*(field.number) = value;
+    else o.*(field.flag) = value != 0.0;
+    return;
   }
-  throw std::invalid_argument("unknown optimizer algorithm");
 }
 
 void validate_optim_options(const OptimOptions& o) {
@@ -88,6 +152,14 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     throw std::invalid_argument("optimizer step: block_size must be a power of two from 32 to 1024, got " +
                                 std::to_string(a.block_size));
   const int states = optim_state_count(a.options);
+  const uint8_t storage = a.state_bits == 32 ? kStorage32 : a.state_bits == 16 ? kStorage16 : kStorage8;
+  for (int j = 0; j < states; ++j) {
+    const OptimStateSpec& spec = optim_state_spec(a.options, j);
+    if ((spec.storage & storage) == 0)
+      throw std::invalid_argument(std::string("optimizer step: ") + optim_algorithm_spec(a.options.algorithm).name +
+                                  "'s state " + spec.name + " cannot be stored in " + std::to_string(a.state_bits) +
+                                  " bits");
+  }
   for (int t = 0; t < count; ++t) {
     const OptimTensor& x = tensors[t];
     if (x.numel < 0) throw std::invalid_argument("optimizer step: negative numel");
@@ -115,7 +187,7 @@ const float* quantization_map(bool is_signed) {
   return is_signed ? optim_detail::kSignedMap.value : optim_detail::kUnsignedMap.value;
 }
 
-bool optim_state_is_signed(const OptimOptions& options, int j) { return optim_detail::state_is_signed(options, j); }
+bool optim_state_is_signed(const OptimOptions& options, int j) { return optim_state_spec(options, j).is_signed; }
 
 std::size_t optim_workspace_bytes(Backend, const OptimOptions& o, const int64_t* numels, int count) {
   if (!optim_detail::is_layerwise(o.algorithm)) return 0;

@@ -1,0 +1,110 @@
+// The one declaration of every optimizer algorithm: its name, the options it reads, its states (in the core's
+// order, each with its signedness, when it exists and the storage widths it may take) and whether it is
+// layer-wise. The core's option checks and state counts, the bindings (names, option names, state names), the
+// 8-bit maps' choice of signed or unsigned map and the Python classes' state names all read or are checked
+// against this table (tests/cpp/test_optim_table.cpp checks the rest of the core against it at compile time).
+//
+// Adding an element-wise algorithm: an enumerator and a table entry here, its update rule in src/optim/rules.h
+// (and its case in with_algorithm there: a compile-time check names a missing one), its option checks in
+// validate_optim_options (src/optim/common.cpp), and a Python class in python/graphsafe/optim/algorithms.py
+// (constructor, docstring, _options). docs/optim.md, "Adding an algorithm", lists the steps.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+// The table's queries are constexpr and, under nvcc, __host__ __device__: device code uses them at compile time
+// (which rules a kernel holds).
+#if defined(__CUDACC__)
+#define GRAPHSAFE_TABLE_QUERY __host__ __device__ constexpr
+#else
+#define GRAPHSAFE_TABLE_QUERY constexpr
+#endif
+
+namespace graphsafe {
+
+// In table order (kOptimAlgorithms[i].algorithm is enumerator i).
+enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix };
+
+// When a state exists, given the options (states an option turns off are not kept at all).
+enum class StatePresence : int8_t {
+  Always,
+  IfAmsgrad,           // options.amsgrad
+  IfMomentumNonZero,   // options.momentum != 0 (SGD, as torch keeps no buffer without momentum)
+  IfMomentumPositive,  // options.momentum > 0 (RMSprop)
+  IfCentered,          // options.centered
+};
+
+// Storage widths a state may take (OptimStepArgs::state_bits), as a mask of these bits.
+inline constexpr uint8_t kStorage32 = 1, kStorage16 = 2, kStorage8 = 4;
+inline constexpr uint8_t kAnyStorage = kStorage32 | kStorage16 | kStorage8;
+
+struct OptimStateSpec {
+  const char* name = nullptr;  // the state_dict key (torch.optim's name where torch has the algorithm)
+  bool is_signed = true;       // 8-bit: the signed map (values of either sign) or the unsigned one (>= 0)
+  StatePresence presence = StatePresence::Always;
+  uint8_t storage = kAnyStorage;
+};
+
+inline constexpr int kMaxOptimStates = 4;   // OptimTensor's state slots
+inline constexpr int kMaxOptimOptions = 8;  // options of one algorithm, besides maximize and skip_zeros
+
+struct OptimAlgorithmSpec {
+  OptimAlgorithm algorithm;
+  const char* name;  // the name the bindings take ("adamw")
+  bool layerwise;    // per-tensor norms scale the update (two passes over a tensor), else element-wise
+  // The OptimOptions fields the algorithm reads, by the names the bindings take (every algorithm also reads
+  // maximize and skip_zeros).
+  const char* options[kMaxOptimOptions];
+  OptimStateSpec states[kMaxOptimStates];
+};
+
+inline constexpr OptimAlgorithmSpec kOptimAlgorithms[] = {
+    {OptimAlgorithm::Adam, "adam", false, {"beta1", "beta2", "eps", "weight_decay", "amsgrad"},
+     {{"exp_avg", true}, {"exp_avg_sq", false}, {"max_exp_avg_sq", false, StatePresence::IfAmsgrad}}},
+    {OptimAlgorithm::AdamW, "adamw", false, {"beta1", "beta2", "eps", "weight_decay", "amsgrad"},
+     {{"exp_avg", true}, {"exp_avg_sq", false}, {"max_exp_avg_sq", false, StatePresence::IfAmsgrad}}},
+    {OptimAlgorithm::SGD, "sgd", false, {"momentum", "dampening", "weight_decay", "nesterov"},
+     {{"momentum_buffer", true, StatePresence::IfMomentumNonZero}}},
+    {OptimAlgorithm::RMSprop, "rmsprop", false, {"alpha", "eps", "weight_decay", "momentum", "centered"},
+     {{"square_avg", false},
+      {"grad_avg", true, StatePresence::IfCentered},
+      {"momentum_buffer", true, StatePresence::IfMomentumPositive}}},
+    {OptimAlgorithm::Adagrad, "adagrad", false, {"lr_decay", "eps", "weight_decay"}, {{"sum", false}}},
+    {OptimAlgorithm::Lion, "lion", false, {"beta1", "beta2", "weight_decay"}, {{"exp_avg", true}}},
+    {OptimAlgorithm::LAMB, "lamb", true, {"beta1", "beta2", "eps", "weight_decay", "bias_correction"},
+     {{"exp_avg", true}, {"exp_avg_sq", false}}},
+    {OptimAlgorithm::LARS, "lars", true, {"momentum", "weight_decay", "trust_coefficient", "eps"},
+     {{"momentum_buffer", true}}},
+    {OptimAlgorithm::AdEMAMix, "ademamix", false,
+     {"beta1", "beta2", "beta3", "mix_alpha", "alpha_warmup", "beta3_warmup", "eps", "weight_decay"},
+     {{"exp_avg", true}, {"exp_avg_slow", true}, {"exp_avg_sq", false}}},
+};
+
+inline constexpr int kOptimAlgorithmCount = static_cast<int>(sizeof(kOptimAlgorithms) / sizeof(kOptimAlgorithms[0]));
+
+constexpr bool table_in_enum_order() {
+  for (int i = 0; i < kOptimAlgorithmCount; ++i)
+    if (static_cast<int>(kOptimAlgorithms[i].algorithm) != i) return false;
+  return true;
+}
+static_assert(table_in_enum_order(), "kOptimAlgorithms must list the algorithms in OptimAlgorithm's order");
+
+GRAPHSAFE_TABLE_QUERY const OptimAlgorithmSpec& optim_algorithm_spec(OptimAlgorithm a) {
+  return kOptimAlgorithms[static_cast<int>(a)];
+}
+
+// How many states the algorithm keeps at most and at least (over all options).
+GRAPHSAFE_TABLE_QUERY int optim_max_states(OptimAlgorithm a) {
+  int n = 0;
+  for (const OptimStateSpec& s : optim_algorithm_spec(a).states) n += s.name != nullptr;
+  return n;
+}
+GRAPHSAFE_TABLE_QUERY int optim_min_states(OptimAlgorithm a) {
+  int n = 0;
+  for (const OptimStateSpec& s : optim_algorithm_spec(a).states)
+    n += s.name != nullptr && s.presence == StatePresence::Always;
+  return n;
+}
+
+}  // namespace graphsafe

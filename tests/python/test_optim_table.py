@@ -1,0 +1,63 @@
+"""The algorithm table (include/graphsafe/optim_algorithms.h), as the core exposes it, against the Python
+classes: every class's algorithm is in the table, the options it sends are the table's for that algorithm, and
+the states it keeps under every combination of the options that add or remove states are the table's, in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import graphsafe.optim as go
+from graphsafe import _C
+
+TABLE = _C.optim_algorithms()
+CLASSES = [go.Adam, go.AdamW, go.SGD, go.RMSprop, go.Adagrad, go.Lion, go.LAMB, go.LARS, go.AdEMAMix]
+# The constructor options that decide which states exist, with values that turn them off and on.
+PRESENCE_OPTIONS = {go.Adam: dict(amsgrad=(False, True)), go.AdamW: dict(amsgrad=(False, True)),
+                    go.SGD: dict(momentum=(0.0, 0.9)), go.RMSprop: dict(centered=(False, True), momentum=(0.0, 0.5))}
+
+
+def _variants(cls):
+    choices = PRESENCE_OPTIONS.get(cls, {})
+    for values in itertools.product(*choices.values()):
+        yield dict(zip(choices, values))
+
+
+def test_every_class_is_in_the_table_and_the_table_has_no_other():
+    algorithms = {cls(params=[torch.zeros(1, requires_grad=True)]).algorithm for cls in CLASSES}
+    assert algorithms == set(TABLE)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_class_options_and_states_are_the_tables(cls):
+    for kwargs in _variants(cls):
+        opt = cls([torch.zeros(3, requires_grad=True)], **kwargs)
+        group = opt.param_groups[0]
+        entry = TABLE[opt.algorithm]
+        sent = set(opt._core_options(group)) - {"maximize", "skip_zeros"}
+        assert sent == set(entry["options"]), f"{cls.__name__}{kwargs}: options sent {sorted(sent)}"
+        names = opt._state_names(group)
+        assert names == _C.optim_state_names(opt.algorithm, opt._core_options(group)), f"{cls.__name__}{kwargs}"
+        # ... and the same list read off the table's presence rules by hand
+        on = {"always": True, "amsgrad": bool(group.get("amsgrad")), "centered": bool(group.get("centered")),
+              "momentum != 0": group.get("momentum", 0) != 0, "momentum > 0": group.get("momentum", 0) > 0}
+        assert names == [s["name"] for s in entry["states"] if on[s["present_when"]]], f"{cls.__name__}{kwargs}"
+
+
+def test_signedness_is_the_tables():
+    for name, entry in TABLE.items():
+        everything = {"amsgrad": 1.0, "centered": 1.0, "momentum": 0.5}
+        options = {k: v for k, v in everything.items() if k in entry["options"]}
+        for j, state in enumerate(_C.optim_state_names(name, options)):
+            spec = next(s for s in entry["states"] if s["name"] == state)
+            assert _C.optim_state_is_signed(name, options, j) == spec["signed"], f"{name} {state}"
+
+
+def test_an_option_of_another_algorithm_is_refused():
+    with pytest.raises(ValueError, match="unknown optimizer option 'beta1' for sgd"):
+        _C.optim_state_names("sgd", {"beta1": 0.9})
+    with pytest.raises(ValueError, match="unknown optimizer algorithm"):
+        _C.optim_state_names("adamax", {})
