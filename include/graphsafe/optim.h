@@ -128,6 +128,10 @@ std::size_t optim_workspace_bytes(Backend backend, const OptimOptions& options, 
 void optim_step_cpu(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
                     std::size_t workspace_bytes);
 
+// Throws std::invalid_argument unless *lr (host memory) is a usable learning rate: the check optim_step_cpu
+// makes first, for a caller that steps several groups and refuses them all before stepping any.
+void optim_check_learning_rate_cpu(const float* lr);
+
 // Asynchronous on `stream`; all pointers (including lr and step) are device pointers. Tensors are
 // processed in launches of many tensors each.
 void optim_step_cuda(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,

@@ -201,6 +201,14 @@ NB_MODULE(_C, m) {
       "states (name, signed map, when present, storage widths).");
 
   m.def(
+      "optim_check_learning_rates",
+      [](const std::vector<std::uintptr_t>& lrs) {
+        for (std::uintptr_t lr : lrs) optim_check_learning_rate_cpu(static_cast<const float*>(as_pointer(lr)));
+      },
+      nb::arg("lrs"),
+      "ValueError unless every float32 at these CPU addresses (the groups' lr tensors) is a usable learning rate.");
+
+  m.def(
       "optim_state_names",
       [](const std::string& algorithm, const std::map<std::string, double>& options) {
         const OptimOptions o = optim_options(algorithm, options);

@@ -175,6 +175,11 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
   }
 }
 
+void optim_check_learning_rate_cpu(const float* lr) {
+  if (lr == nullptr) throw std::invalid_argument("optimizer step: lr pointer is null");
+  optim_detail::check_learning_rate(*lr);
+}
+
 void optim_detail::check_learning_rate(float lr) {
   if (usable_learning_rate(lr)) return;
   char text[32];

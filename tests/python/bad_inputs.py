@@ -40,7 +40,8 @@ def refused(fn, types, pattern: str = "", what: str = ""):
 
 
 def handled_or_refused(fn, check, types, pattern: str, what: str = ""):
-    """Either fn() returns and check(result) holds, or it raises one of `types` matching `pattern`."""
+    """Either fn() returns and check(result) holds (check asserts, or returns False for a failure), or it raises one
+    of `types` matching `pattern`."""
     try:
         out = fn()
     except types as exc:
@@ -50,7 +51,7 @@ def handled_or_refused(fn, check, types, pattern: str, what: str = ""):
         return
     except Exception as exc:
         raise AssertionError(f"{what}: expected a result or a clear refusal, got {type(exc).__name__}: {exc}") from exc
-    check(out)
+    assert check(out) is not False, f"{what}: the result does not hold: {_short(out)}"
 
 
 def _short(x) -> str:
