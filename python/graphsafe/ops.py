@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._core_args import current_stream, dtype_name
 from ._errors import raise_pending_device_error
 from ._tensor_checks import require_readable
 
@@ -14,10 +15,6 @@ __all__ = ["embedding_backward", "embedding", "quantize_blockwise", "dequantize_
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _normalise_padding_idx(padding_idx: int, num_weights: int) -> int:
@@ -85,7 +82,7 @@ def embedding_backward(
     out = torch.empty((num_weights, dim), dtype=grad.dtype, device=device)
     workspace = torch.empty(
         _C.embedding_backward_workspace_bytes(
-            device.type, device.index or 0, _dtype_name(grad.dtype), num_indices, dim, num_weights
+            device.type, device.index or 0, dtype_name(grad.dtype), num_indices, dim, num_weights
         ),
         dtype=torch.uint8,
         device=device,
@@ -93,12 +90,12 @@ def embedding_backward(
     _C.embedding_backward_dense(
         device.type,
         device.index or 0,
-        _stream_of(device),
+        current_stream(device),
         out.data_ptr(),
         grad.data_ptr(),
-        _dtype_name(grad.dtype),
+        dtype_name(grad.dtype),
         indices.data_ptr(),
-        _dtype_name(indices.dtype),
+        dtype_name(indices.dtype),
         num_indices,
         dim,
         num_weights,
@@ -114,10 +111,6 @@ def embedding_backward(
 def _embedding_backward_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
     _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
     return grad.new_empty((num_weights, grad.shape[-1]))
-
-
-def _stream_of(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:
@@ -155,12 +148,12 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     _C.embedding_lookup(
         weight.device.type,
         weight.device.index or 0,
-        _stream_of(weight.device),
+        current_stream(weight.device),
         out.data_ptr(),
         weight.data_ptr(),
         weight.element_size(),
         indices.data_ptr(),
-        _dtype_name(indices.dtype),
+        dtype_name(indices.dtype),
         indices.numel(),
         dim,
         weight.shape[0],
@@ -226,7 +219,7 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     absmax = torch.empty((numel + block_size - 1) // block_size, dtype=torch.float32, device=x.device)
     if numel:
-        _C.quantize_blockwise(x.device.type, x.device.index or 0, _stream_of(x.device), flat.data_ptr(), numel,
+        _C.quantize_blockwise(x.device.type, x.device.index or 0, current_stream(x.device), flat.data_ptr(), numel,
                               block_size, bool(signed), codes.data_ptr(), absmax.data_ptr())
     return codes, absmax
 
@@ -249,6 +242,6 @@ def dequantize_blockwise(codes: Tensor, absmax: Tensor, block_size: int = 256, s
     codes_c, absmax_c = codes.contiguous(), absmax.contiguous()
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     if numel:
-        _C.dequantize_blockwise(codes.device.type, codes.device.index or 0, _stream_of(codes.device), codes_c.data_ptr(),
+        _C.dequantize_blockwise(codes.device.type, codes.device.index or 0, current_stream(codes.device), codes_c.data_ptr(),
                                 absmax_c.data_ptr(), numel, block_size, bool(signed), out.data_ptr())
     return out

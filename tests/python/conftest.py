@@ -331,6 +331,23 @@ def state_tensors(optimizer, p) -> dict[str, torch.Tensor]:
     return {k: v for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor)}
 
 
+def snapshot_states(optimizer, params) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Copies of each parameter and of its state tensors, to compare with later: [(param, {name: state})]."""
+    return [(p.detach().clone(), {k: v.clone() for k, v in state_tensors(optimizer, p).items()}) for p in params]
+
+
+def assert_same_run(opt_a, params_a, opt_b, params_b, what: str) -> None:
+    """Two runs ended alike: the parameters and every state tensor (8-bit codes, absmax and maps, and the step)
+    bitwise equal, and the same block_size."""
+    for i, (a, b) in enumerate(zip(params_a, params_b)):
+        assert_bitwise_equal(a, b, f"{what}: param {i}")
+        sa, sb = state_tensors(opt_a, a), state_tensors(opt_b, b)
+        assert sa.keys() == sb.keys(), f"{what}: param {i} state names {sorted(sa)} vs {sorted(sb)}"
+        for k in sa:
+            assert_bitwise_equal(sa[k], sb[k], f"{what}: param {i} state {k}")
+        assert opt_a.state[a].get("block_size") == opt_b.state[b].get("block_size"), f"{what}: param {i} block_size"
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| over the whole tensor, in float64 (the absolute difference's
     norm when expected is all zeros). NaN anywhere gives NaN, which fails every <= comparison."""

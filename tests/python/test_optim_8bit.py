@@ -50,7 +50,7 @@ import torch
 
 import graphsafe.ops as ops
 import graphsafe.optim as go
-from conftest import assert_bitwise_equal, libgomp, make_generator, rel_err
+from conftest import assert_bitwise_equal, assert_same_run, libgomp, make_generator, rel_err, state_tensors
 
 # --------------------------------------------------------------------------------------------------------
 # The nine algorithms, with every optional state switched on and weight_decay > 0
@@ -102,21 +102,6 @@ def dequantized_state(opt, p, name) -> torch.Tensor:
     """An 8-bit state's fp32 values, decoded with the documented map of that state (not the stored one)."""
     s = opt.state[p]
     return ops.dequantize_blockwise(s[name], s[f"{name}_absmax"], s["block_size"], SIGNED[name])
-
-
-def all_state_tensors(opt, p) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-
-
-def assert_same_run(opt_a, params_a, opt_b, params_b, what):
-    """Parameters and every state tensor (codes, absmax, maps, step) bitwise equal; same block_size."""
-    for i, (a, b) in enumerate(zip(params_a, params_b)):
-        assert_bitwise_equal(a.detach(), b.detach(), f"{what}: param {i}")
-        sa, sb = all_state_tensors(opt_a, a), all_state_tensors(opt_b, b)
-        assert sa.keys() == sb.keys(), f"{what}: param {i} state keys {sorted(sa)} vs {sorted(sb)}"
-        for k in sa:
-            assert_bitwise_equal(sa[k], sb[k], f"{what}: param {i} state {k}")
-        assert opt_a.state[a].get("block_size") == opt_b.state[b].get("block_size")
 
 
 def nonzero_randn(shape, gen, scale=1.0):
@@ -891,13 +876,13 @@ def test_invalid_block_size_set_between_steps_is_rejected_and_changes_nothing():
     opt = go.AdamW([p], lr=1e-3, state_bits=8, block_size=128)
     p.grad = torch.randn(5000)
     opt.step()
-    before = {k: v.clone() for k, v in all_state_tensors(opt, p).items()}
+    before = {k: v.clone() for k, v in state_tensors(opt, p).items()}
     param_before = p.detach().clone()
     opt.param_groups[0]["block_size"] = 100
     with pytest.raises(ValueError, match="block_size"):
         opt.step()
     assert torch.equal(p.detach(), param_before)
-    for k, v in all_state_tensors(opt, p).items():
+    for k, v in state_tensors(opt, p).items():
         assert torch.equal(v, before[k]), k
     opt.param_groups[0]["state_bits"] = 12
     with pytest.raises(ValueError, match="state_bits"):
@@ -1004,7 +989,7 @@ def run_with_bad_gradient(case, state_bits, bad, later_bad_grad, seed=31):
         p.grad = g
         opt.step()
         if step == 1:
-            after_bad = {k: v.clone() for k, v in all_state_tensors(opt, p).items()}
+            after_bad = {k: v.clone() for k, v in state_tensors(opt, p).items()}
     return p.detach(), opt, after_bad
 
 
@@ -1042,8 +1027,8 @@ def test_non_finite_gradient_leaves_its_neighbours_as_a_zero_gradient_would(case
     others = torch.arange(2 * BLOCK) != BAD_AT
     if case != "LAMB":
         assert_bitwise_equal(p_bad[others], p_zero[others], f"{case}: the other elements' parameters")
-    states_bad = all_state_tensors(opt_bad, opt_bad.param_groups[0]["params"][0])
-    states_zero = all_state_tensors(opt_zero, opt_zero.param_groups[0]["params"][0])
+    states_bad = state_tensors(opt_bad, opt_bad.param_groups[0]["params"][0])
+    states_zero = state_tensors(opt_zero, opt_zero.param_groups[0]["params"][0])
     for name in STATE_NAMES[case]:
         assert_bitwise_equal(states_bad[f"{name}_absmax"], states_zero[f"{name}_absmax"], f"{case}: {name}'s absmax")
         assert_bitwise_equal(states_bad[name][others], states_zero[name][others], f"{case}: {name}'s other codes")

@@ -42,6 +42,8 @@ import torch
 import graphsafe
 import graphsafe.optim as go
 from conftest import (
+    assert_same_run,
+    snapshot_states,
     OPTIM_CASE_NAMES,
     assert_bitwise_equal,
     assert_rel_close,
@@ -130,19 +132,6 @@ class LargestMagnitude:
 
 def bits_at(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(BITS[t.dtype])[mask.to(t.device)].cpu()
-
-
-def snapshot(opt, params):
-    return [(p.detach().clone(), {k: v.clone() for k, v in state_tensors(opt, p).items()}) for p in params]
-
-
-def assert_same_run(opt_a, params_a, opt_b, params_b, what):
-    for i, (a, b) in enumerate(zip(params_a, params_b)):
-        assert_bitwise_equal(a, b, f"{what} param {i}")
-        sa, sb = state_tensors(opt_a, a), state_tensors(opt_b, b)
-        assert sa.keys() == sb.keys(), f"{what} param {i}: state names differ"
-        for k in sa:
-            assert_bitwise_equal(sa[k], sb[k], f"{what} param {i} state {k}")
 
 
 def assert_cuda_close_to_cpu(opt_cuda, params_cuda, opt_cpu, params_cpu, what):
@@ -507,7 +496,7 @@ def test_skip_zeros_bit_identity_on_cuda(case, dtype):
     gen = make_generator(seed + 1)
     initial = {"sum": CASES[case][1].get("initial_accumulator_value", 0.0)}
     for step in range(5):
-        before = snapshot(opt, params)
+        before = snapshot_states(opt, params)
         values = draw_grads(params, dtype, gen, zero_fraction=0.3)
         copy_into(grads, values)
         opt.step()
@@ -761,7 +750,7 @@ def _assert_unchanged(opt, params, before, what):
 def test_invalid_lr_in_the_lr_tensor_on_cuda_writes_nothing_and_is_reported(case, bad, state_bits):
     graphsafe.check_errors()  # nothing pending from before
     opt, params, _, _ = _stepped_once_on_cuda(case, state_bits, stable_seed("invalid lr", case, state_bits))
-    before = snapshot(opt, params)
+    before = snapshot_states(opt, params)
     lr = opt.param_groups[0]["lr"]
     lr.fill_(bad)
     opt.step()  # no host read of lr: nothing can be raised here
@@ -795,7 +784,7 @@ def test_invalid_lr_filled_between_replays_of_a_captured_step_writes_nothing(cas
     lr = opt.param_groups[0]["lr"]
     for replay, value in enumerate([0.01, float("nan"), -0.5, 0.02]):
         lr.fill_(value)
-        before = snapshot(opt, params)
+        before = snapshot_states(opt, params)
         graph.replay()
         torch.cuda.synchronize()
         if value >= 0:

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 import graphsafe.optim as go
 from conftest import (
+    assert_same_run,
+    snapshot_states,
     OPTIM_CASE_NAMES,
     PARAM_DTYPES,
     assert_bitwise_equal,
@@ -73,10 +75,6 @@ def bits_at(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(view)[mask]
 
 
-def snapshot(opt, params):
-    return [(p.detach().clone(), {k: v.clone() for k, v in state_tensors(opt, p).items()}) for p in params]
-
-
 def run_steps(case, params, grads_per_step, **extra):
     opt = make_optimizer(case, params, **extra)
     for grads in grads_per_step:
@@ -84,15 +82,6 @@ def run_steps(case, params, grads_per_step, **extra):
             p.grad = g
         opt.step()
     return opt
-
-
-def assert_same_run(opt_a, params_a, opt_b, params_b, what):
-    for i, (a, b) in enumerate(zip(params_a, params_b)):
-        assert_bitwise_equal(a, b, f"{what} param {i}")
-        sa, sb = state_tensors(opt_a, a), state_tensors(opt_b, b)
-        assert sa.keys() == sb.keys(), f"{what} param {i}: state names differ"
-        for k in sa:
-            assert_bitwise_equal(sa[k], sb[k], f"{what} param {i} state {k}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -107,7 +96,7 @@ def test_skip_zeros_keeps_zero_grad_elements_bit_identical(case, dtype):
     params = make_params(SHAPES, dtype, gen)
     opt = make_optimizer(case, params, skip_zeros=True)
     for step in range(6):
-        before = snapshot(opt, params)
+        before = snapshot_states(opt, params)
         masks = []
         for p in params:
             p.grad, mask = grad_with_zeros(p.shape, dtype, gen)
@@ -139,7 +128,7 @@ def test_skip_zeros_does_not_skip_nan(case):
     params = make_params([(300,), (12, 10)], torch.float32, gen)
     opt = make_optimizer(case, params, skip_zeros=True)
     for step in range(3):
-        before = snapshot(opt, params)
+        before = snapshot_states(opt, params)
         nan_masks, zero_masks = [], []
         for p in params:
             g, zero = grad_with_zeros(p.shape, torch.float32, gen)
@@ -224,7 +213,7 @@ def test_skip_zeros_property(case, dtype, numel, zero_fraction, steps, seed):
     (p,) = make_params([(numel,)], dtype, gen)
     opt = make_optimizer(case, [p], skip_zeros=True)
     for _ in range(steps):
-        (old_p, old_states), = snapshot(opt, [p])
+        (old_p, old_states), = snapshot_states(opt, [p])
         p.grad, mask = grad_with_zeros(p.shape, dtype, gen, fraction=zero_fraction)
         opt.step()
         assert torch.equal(bits_at(p, mask), bits_at(old_p, mask))

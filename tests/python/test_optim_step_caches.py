@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import graphsafe.optim as go
-from graphsafe.optim import _base
+from graphsafe.optim import _base, _fast_path
 from conftest import assert_bitwise_equal, clone_params, make_generator, make_optimizer, make_params, random_grad
 
 SHAPES = [(6, 6), (6, 6), (10,), (4, 5)]  # squares (transposable in place) and a 2-D gradient to make strided
@@ -160,7 +160,7 @@ def _assert_same_state(a, a_params, b, b_params, what):
 def _run(config, change, guards, monkeypatch):
     """Both twins: two steps, the change, two more steps; returns per twin the outcomes after the change and
     whether the at-once twin's steps were served at once."""
-    monkeypatch.setattr(_base, "_TENSOR_GUARDS_SERVE", guards and _base._TENSOR_GUARDS_SERVE)
+    monkeypatch.setattr(_fast_path, "_TENSOR_GUARDS_SERVE", guards and _fast_path._TENSOR_GUARDS_SERVE)
     case, extra = CONFIGS[config]
     initial = make_params(SHAPES, torch.float32, make_generator(70))
     runs = []
@@ -294,9 +294,9 @@ def test_optimizer_state_is_a_state_mapping_through_construction_load_and_copies
 def test_tensor_guards_serve_where_torch_has_them():
     """graphsafe checks this torch's TensorGuards (a private API) once at import; where torch has it, it must pass,
     or the at-once path silently loses most of its speed."""
-    if _base._TensorGuards is None:
+    if _fast_path._TensorGuards is None:
         pytest.skip("this torch has no torch._C._dynamo.guards.TensorGuards")
-    assert _base._TENSOR_GUARDS_SERVE and _base._tensor_guards_serve()
+    assert _fast_path._TENSOR_GUARDS_SERVE and _fast_path._tensor_guards_serve()
     gen = make_generator(73)
     params = make_params([(8,), (8,)], torch.float32, gen)
     opt = go.SGD(params, lr=0.1, momentum=0.9)
