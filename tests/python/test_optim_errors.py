@@ -599,3 +599,27 @@ def test_invalid_lr_in_a_later_group_leaves_every_group_unchanged(case):
         opt.step()
     for i, (a, b) in enumerate(zip(_everything(opt, first + second), before)):
         assert_bitwise_equal(a, b, f"tensor {i} (parameters, then states and steps)")
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_invalid_lr_refuses_a_first_step_before_any_state_is_made_or_converted(state_bits):
+    # A refused step makes no state (first step) and converts none (state_bits changed since the last step).
+    gen = make_generator(63)
+    first, second = make_params([(300,)], torch.float32, gen), make_params([(5000,)], torch.float32, gen)
+    opt = go.AdamW([{"params": first}, {"params": second}], state_bits=state_bits, min_8bit_size=0)
+    for p in first + second:
+        p.grad = random_grad(p.shape, torch.float32, gen)
+    opt.param_groups[1]["lr"].fill_(float("nan"))
+    with pytest.raises(ValueError, match="invalid learning rate"):
+        opt.step()
+    assert len(opt.state) == 0
+    opt.param_groups[1]["lr"].fill_(0.01)
+    opt.step()
+    kinds = {k: (v.dtype, tuple(v.shape)) for k, v in opt.state[second[0]].items() if isinstance(v, torch.Tensor)}
+    for group in opt.param_groups:
+        group["state_bits"] = 8 if state_bits == 32 else 32
+    opt.param_groups[0]["lr"].fill_(-1.0)
+    with pytest.raises(ValueError, match="invalid learning rate"):
+        opt.step()
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in opt.state[second[0]].items()
+            if isinstance(v, torch.Tensor)} == kinds

@@ -25,7 +25,6 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import _C
 from .._core_args import current_stream, dtype_name
-from .._errors import raise_pending_device_error
 from .._tensor_checks import require_readable, unreadable_reason
 from ._fast_path import _FastPath, _shape_of
 from ._learning_rate import _check_lr, _lr_tensor
@@ -199,6 +198,19 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         return loss
 
     def _step_groups(self) -> None:
+        # Every CPU group's lr is checked before anything of the step is prepared (a state made or converted)
+        # or issued: a NaN or negative lr in any group refuses the whole step, changing nothing. Read in C++
+        # from the tensor's memory, not through torch (it is host memory; a CUDA group's lr is never read on
+        # the host: its kernels check it on the device).
+        cpu_lrs = []
+        for group in self.param_groups:
+            lr = group["lr"]
+            if type(lr) is not Tensor:
+                _check_lr(lr)  # a number set by hand
+            elif lr.is_cpu and lr.dtype is torch.float32 and lr.numel() == 1:
+                cpu_lrs.append(lr.data_ptr())
+        if cpu_lrs:
+            _C.optim_check_learning_rates(cpu_lrs)
         pending: list[Callable[[], None]] = []
         for group in self.param_groups:
             issues = self._prepare_group_at_once(group)
@@ -339,18 +351,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             if not isinstance(lr, Tensor):
                 _check_lr(lr)
             group["lr"] = lr = _lr_tensor(lr, device)
-        if device.type == "cuda":
-            # An error a kernel recorded earlier (an invalid lr in a step before this one, an out-of-range index)
-            # is raised here, before anything of this step is issued (reads mapped host memory; no sync).
-            raise_pending_device_error()
-            finish_counter = self._finish_counter(device)
-        else:
-            # The CPU core refuses an invalid lr itself, but only when its call comes: read here (host memory),
-            # so that no group of the step is applied when a later one's lr is invalid.
-            if not lr.item() >= 0.0:
-                raise ValueError(f"invalid learning rate {lr.item()} in the optimizer's lr tensor (it must be >= 0): "
-                                 "the step changed nothing")
-            finish_counter = 0
+        finish_counter = self._finish_counter(device) if device.type == "cuda" else 0
         block_size = group["block_size"]
 
         def issue() -> None:

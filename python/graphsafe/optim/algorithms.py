@@ -17,7 +17,8 @@ def _flag(value: Any) -> float:
 
 
 def _betas(betas: Any, count: int) -> tuple[float, ...]:
-    """betas as a tuple of `count` numbers, or ValueError (their ranges are the core's to check)."""
+    """betas as a tuple of `count` numbers, or ValueError (their ranges are the core's to check). The steps
+    unpack a group's betas directly and call this only when that fails, for its message."""
     try:
         values = tuple(betas)
     except TypeError:
@@ -55,7 +56,10 @@ class Adam(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2 = _betas(group["betas"], 2)
+        try:
+            beta1, beta2 = group["betas"]
+        except (TypeError, ValueError):
+            beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]))
 
@@ -178,7 +182,10 @@ class Lion(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2 = _betas(group["betas"], 2)
+        try:
+            beta1, beta2 = group["betas"]
+        except (TypeError, ValueError):
+            beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
     def _state_names(self, group):
@@ -200,7 +207,10 @@ class LAMB(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2 = _betas(group["betas"], 2)
+        try:
+            beta1, beta2 = group["betas"]
+        except (TypeError, ValueError):
+            beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]))
 
@@ -245,7 +255,10 @@ class AdEMAMix(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        beta1, beta2, beta3 = _betas(group["betas"], 3)
+        try:
+            beta1, beta2, beta3 = group["betas"]
+        except (TypeError, ValueError):
+            beta1, beta2, beta3 = _betas(group["betas"], 3)
         return dict(beta1=float(beta1), beta2=float(beta2), beta3=float(beta3), mix_alpha=float(group["alpha"]),
                     alpha_warmup=float(group["t_alpha"] or 0), beta3_warmup=float(group["t_beta3"] or 0),
                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
