@@ -13,14 +13,6 @@
 #include <cstddef>
 #include <cstdint>
 
-// The table's queries are constexpr and, under nvcc, __host__ __device__: device code uses them at compile time
-// (which rules a kernel holds).
-#if defined(__CUDACC__)
-#define GRAPHSAFE_TABLE_QUERY __host__ __device__ constexpr
-#else
-#define GRAPHSAFE_TABLE_QUERY constexpr
-#endif
-
 namespace graphsafe {
 
 // In table order (kOptimAlgorithms[i].algorithm is enumerator i).
@@ -90,17 +82,17 @@ constexpr bool table_in_enum_order() {
 }
 static_assert(table_in_enum_order(), "kOptimAlgorithms must list the algorithms in OptimAlgorithm's order");
 
-GRAPHSAFE_TABLE_QUERY const OptimAlgorithmSpec& optim_algorithm_spec(OptimAlgorithm a) {
+constexpr const OptimAlgorithmSpec& optim_algorithm_spec(OptimAlgorithm a) {
   return kOptimAlgorithms[static_cast<int>(a)];
 }
 
 // How many states the algorithm keeps at most and at least (over all options).
-GRAPHSAFE_TABLE_QUERY int optim_max_states(OptimAlgorithm a) {
+constexpr int optim_max_states(OptimAlgorithm a) {
   int n = 0;
   for (const OptimStateSpec& s : optim_algorithm_spec(a).states) n += s.name != nullptr;
   return n;
 }
-GRAPHSAFE_TABLE_QUERY int optim_min_states(OptimAlgorithm a) {
+constexpr int optim_min_states(OptimAlgorithm a) {
   int n = 0;
   for (const OptimStateSpec& s : optim_algorithm_spec(a).states)
     n += s.name != nullptr && s.presence == StatePresence::Always;

@@ -20,6 +20,19 @@ void require(bool ok, const std::string& what) {
 std::string value(double v) { return std::to_string(v); }
 }  // namespace
 
+// The rules' compile-time view of each algorithm (src/optim/rules.h, device code) agrees with the table.
+constexpr bool rules_agree_with_table() {
+  for (const OptimAlgorithmSpec& spec : kOptimAlgorithms) {
+    if (optim_detail::is_layerwise(spec.algorithm) != spec.layerwise) return false;
+    for (int states = 0; states <= kMaxOptimStates; ++states) {
+      const bool in_range = states >= optim_min_states(spec.algorithm) && states <= optim_max_states(spec.algorithm);
+      if (optim_detail::can_keep_states(spec.algorithm, states) != in_range) return false;
+    }
+  }
+  return true;
+}
+static_assert(rules_agree_with_table(), "rules.h's is_layerwise / can_keep_states disagree with kOptimAlgorithms");
+
 const OptimStateSpec& optim_state_spec(const OptimOptions& o, int j) {
   int present = 0;
   for (const OptimStateSpec& s : optim_algorithm_spec(o.algorithm).states)

@@ -285,7 +285,9 @@ GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float 
   else static_assert(A == OptimAlgorithm::AdEMAMix, "LAMB and LARS use the layer-wise rules below");
 }
 
-GS_HD constexpr bool is_layerwise(OptimAlgorithm a) { return optim_algorithm_spec(a).layerwise; }
+// (The switches here and in can_keep_states are device code, which cannot read the algorithm table at run time;
+// src/optim/common.cpp checks them against it at compile time.)
+GS_HD constexpr bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
 
 // Whether element-wise algorithm a takes square roots and quotients (so that a Math choice changes its code).
 GS_HD constexpr bool takes_roots(OptimAlgorithm a) { return a != OptimAlgorithm::SGD && a != OptimAlgorithm::Lion; }
@@ -387,9 +389,17 @@ GS_HD void layerwise_apply(const OptimOptions& o, const Coefficients& k, float f
   }
 }
 
-// Whether algorithm a can keep `states` states (optim_state_count, over its options; the table's range).
+// Whether algorithm a can keep `states` states (optim_state_count, over its options).
 GS_HD constexpr bool can_keep_states(OptimAlgorithm a, int states) {
-  return states >= optim_min_states(a) && states <= optim_max_states(a);
+  switch (a) {
+    case OptimAlgorithm::Adam:
+    case OptimAlgorithm::AdamW: return states == 2 || states == 3;  // amsgrad adds one
+    case OptimAlgorithm::SGD: return states <= 1;                      // momentum buffer or none
+    case OptimAlgorithm::RMSprop: return states >= 1 && states <= 3;   // centered and momentum add one each
+    case OptimAlgorithm::LAMB: return states == 2;
+    case OptimAlgorithm::AdEMAMix: return states == 3;
+    default: return states == 1;                                       // Adagrad, Lion, LARS
+  }
 }
 
 // The element-wise (or layer-wise) algorithms that can keep States states: a kernel instantiated for States
