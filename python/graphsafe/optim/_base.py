@@ -12,6 +12,7 @@ value: a captured graph keeps the values it was captured with.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import defaultdict
 from itertools import chain
@@ -42,6 +43,12 @@ _DTYPE_NAMES = {dtype: dtype_name(dtype) for dtype in _PARAM_DTYPES}  # the core
 # unpacking it (CALL_FUNCTION_EX), a call through any other name into a vectorcall with the names
 # (LOAD_METHOD, KW_NAMES), which costs the host about what a positional call does.
 _core = _C
+
+
+@functools.lru_cache(maxsize=256)
+def _table_state_names(algorithm: str, options: tuple[tuple[str, float], ...]) -> tuple[str, ...]:
+    """The table's state names for an algorithm under these options (sorted (name, value) pairs)."""
+    return tuple(_C.optim_state_names(algorithm, dict(options)))
 
 
 class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Optimizer):
@@ -82,8 +89,9 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
                     skip_zeros=1.0 if group["skip_zeros"] else 0.0)
 
     def _state_names(self, group: dict[str, Any]) -> list[str]:
-        """Names of the states the algorithm keeps per parameter, in the core's order."""
-        raise NotImplementedError
+        """Names of the states the algorithm keeps per parameter under this group's options, in the core's order:
+        the algorithm table's (include/graphsafe/optim_algorithms.h), read through the bindings."""
+        return list(_table_state_names(self.algorithm, tuple(sorted(self._core_options(group).items()))))
 
     def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
         return 0.0
@@ -249,13 +257,14 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         memo = self._group_memo("_validated_options", group)
         if memo.get("options") != options:
             _C.optim_validate(self.algorithm, options)
+            memo["names"] = _C.optim_state_names(self.algorithm, options)
             memo["options"] = options
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
         if dtype not in _PARAM_DTYPES:  # a parameter's dtype changed after construction (p.data = ...)
             if dtype.is_complex:
                 raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
             raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {dtype}")
-        return options, self._state_names(group)
+        return options, memo["names"]
 
     def _kind_call(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int], params: list[Tensor],
                    grads: list[Tensor], states: list[dict[str, Any]], names: list[str], tensors: list[list[Tensor]],

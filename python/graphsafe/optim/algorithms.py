@@ -63,8 +63,6 @@ class Adam(GraphsafeOptimizer):
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]))
 
-    def _state_names(self, group):
-        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
 
 
 class AdamW(Adam):
@@ -101,9 +99,6 @@ class SGD(GraphsafeOptimizer):
         return dict(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
                     weight_decay=float(group["weight_decay"]), nesterov=_flag(group["nesterov"]))
 
-    def _state_names(self, group):
-        return ["momentum_buffer"] if group["momentum"] != 0 else []
-
     def _step_of_loaded_state(self, state):
         # SGD's rule reads the step only to start the momentum buffer from the first gradient (step 1), as torch
         # does when it has no buffer; torch.optim.SGD saves no step. A saved buffer means a step was taken: 1
@@ -130,13 +125,6 @@ class RMSprop(GraphsafeOptimizer):
         return dict(alpha=float(group["alpha"]), eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                     momentum=float(group["momentum"]), centered=_flag(group["centered"]))
 
-    def _state_names(self, group):
-        names = ["square_avg"]
-        if group["centered"]:
-            names.append("grad_avg")
-        if group["momentum"] > 0:
-            names.append("momentum_buffer")
-        return names
 
 
 class Adagrad(GraphsafeOptimizer):
@@ -162,9 +150,6 @@ class Adagrad(GraphsafeOptimizer):
         return dict(lr_decay=float(group["lr_decay"]), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]))
 
-    def _state_names(self, group):
-        return ["sum"]
-
     def _initial_state_value(self, group, name):
         return float(group["initial_accumulator_value"])
 
@@ -188,8 +173,6 @@ class Lion(GraphsafeOptimizer):
             beta1, beta2 = _betas(group["betas"], 2)
         return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
-    def _state_names(self, group):
-        return ["exp_avg"]
 
 
 class LAMB(GraphsafeOptimizer):
@@ -214,8 +197,6 @@ class LAMB(GraphsafeOptimizer):
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]))
 
-    def _state_names(self, group):
-        return ["exp_avg", "exp_avg_sq"]
 
 
 class LARS(GraphsafeOptimizer):
@@ -236,8 +217,6 @@ class LARS(GraphsafeOptimizer):
         return dict(momentum=float(group["momentum"]), weight_decay=float(group["weight_decay"]),
                     trust_coefficient=float(group["trust_coefficient"]), eps=float(group["eps"]))
 
-    def _state_names(self, group):
-        return ["momentum_buffer"]
 
 
 class AdEMAMix(GraphsafeOptimizer):
@@ -263,5 +242,3 @@ class AdEMAMix(GraphsafeOptimizer):
                     alpha_warmup=float(group["t_alpha"] or 0), beta3_warmup=float(group["t_beta3"] or 0),
                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
 
-    def _state_names(self, group):
-        return ["exp_avg", "exp_avg_slow", "exp_avg_sq"]
