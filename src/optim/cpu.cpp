@@ -1,11 +1,9 @@
 // CPU backend of the optimizer step: the shared rules in a loop, parallel over elements with OpenMP.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
-#include <stdexcept>
-#include <string>
-#include <vector>
 
 #include "graphsafe/optim.h"
+#include "optim/backend.h"
 #include "optim/blockwise.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
@@ -20,8 +18,8 @@ using namespace optim_detail;
 constexpr int64_t kParallelMinElements = 1 << 16;
 
 // Runs body(i) for every i in [0, n): on OpenMP's threads for a tensor of numel >= kParallelMinElements, else in a
-// plain loop on this thread. (An `if` clause on the pragma still enters a parallel region, about 0.4 us a tensor
-// on this project's CPU: most of the core's time in a step of many small tensors.)
+// plain loop on this thread. (An `if` clause on the pragma still enters a parallel region for every tensor: in a
+// step of many small tensors, that was most of the core's time.)
 template <class Body>
 void for_each_index(int64_t n, int64_t numel, Body body) {
   if (numel >= kParallelMinElements) {
@@ -209,24 +207,11 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   }
 }
 
-template <class T>
-void run_typed(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* ws, std::size_t factors) {
-  switch (optim_state_count(a.options)) {
-    case 0: return run<T, 0>(a, tensors, count, ws, factors);
-    case 1: return run<T, 1>(a, tensors, count, ws, factors);
-    case 2: return run<T, 2>(a, tensors, count, ws, factors);
-    case 3: return run<T, 3>(a, tensors, count, ws, factors);
-    default: throw std::logic_error("unexpected optimizer state count");
-  }
-}
-
 }  // namespace
 
 void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
                             float* absmax) {
-  if (!valid_block_size(block_size))
-    throw std::invalid_argument("quantize_blockwise: block_size must be a power of two from 32 to 1024, got " +
-                                std::to_string(block_size));
+  check_block_size("quantize_blockwise", block_size);
   const QuantizationMap& map = host_quantization_map(is_signed);
   for_each_index(block_count(numel, block_size), numel, [&](int64_t b) {
     const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
@@ -236,9 +221,7 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
 
 void dequantize_blockwise_cpu(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
                               bool is_signed, float* out) {
-  if (!valid_block_size(block_size))
-    throw std::invalid_argument("dequantize_blockwise: block_size must be a power of two from 32 to 1024, got " +
-                                std::to_string(block_size));
+  check_block_size("dequantize_blockwise", block_size);
   const QuantizationMap& map = host_quantization_map(is_signed);
   for_each_index(numel, numel, [&](int64_t i) { out[i] = dequantize_value(map, codes[i], absmax[i / block_size]); });
 }
@@ -247,20 +230,13 @@ void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int coun
                     std::size_t workspace_bytes) {
   check_step_args(a, tensors, count);
   check_learning_rate(*a.lr);  // before anything is written: a refused step changes nothing
-  std::vector<int64_t> numels(count);
-  for (int t = 0; t < count; ++t) numels[t] = tensors[t].numel;
-  const std::size_t needed = optim_workspace_bytes(Backend::Cpu, a.options, numels.data(), count);
-  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
-    throw std::invalid_argument("optimizer step: workspace of " + std::to_string(workspace_bytes) +
-                                " bytes is smaller than the " + std::to_string(needed) + " required");
+  const LayerwiseLayout layout = check_workspace(Backend::Cpu, a, tensors, count, workspace, workspace_bytes);
   auto* ws = static_cast<float*>(workspace);
-  const std::size_t factors = layerwise_layout(numels.data(), count).factors_offset;
-  switch (a.param_dtype) {
-    case DType::Float32: run_typed<float>(a, tensors, count, ws, factors); break;
-    case DType::Float16: run_typed<f16_t>(a, tensors, count, ws, factors); break;
-    case DType::BFloat16: run_typed<bf16_t>(a, tensors, count, ws, factors); break;
-    default: break;
-  }
+  with_param_type(a.param_dtype, [&](auto type) {
+    with_state_count(a.options, [&](auto states) {
+      run<typename decltype(type)::type, decltype(states)::value>(a, tensors, count, ws, layout.factors_offset);
+    });
+  });
 }
 
 }  // namespace graphsafe

@@ -1,0 +1,110 @@
+// The CUDA optimizer backend's entry points (graphsafe/optim.h): the step (its checks, the steps counted ahead of
+// the updates, then the kernel family of its algorithm and state width: launchers.h) and the standalone 8-bit
+// quantisation and dequantisation.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common/cuda_check.h"
+#include "common/launch.h"
+#include "graphsafe/optim.h"
+#include "optim/backend.h"
+#include "optim/blockwise.h"
+#include "optim/cuda/launch_table.cuh"
+#include "optim/cuda/launchers.h"
+#include "optim/cuda/policy.cuh"
+#include "optim/cuda/quantization_maps.cuh"
+#include "optim/layout.h"
+#include "optim/rules.h"
+
+namespace graphsafe {
+namespace {
+
+using namespace optim_detail;
+
+constexpr int kThreads = UtilityPolicy::kThreads;
+
+// Adds 1 to up to kMaxSteps steps per launch, ahead of the updates: the steps the update kernels do not count
+// (optim_step_cuda).
+struct StepTable {
+  int count;
+  float* step[UtilityPolicy::kMaxSteps];
+};
+static_assert(sizeof(StepTable) + sizeof(LearningRate) < 4000, "kernel arguments stay under 4 KB");
+
+__global__ void increment_steps_kernel(StepTable table, LearningRate lr) {
+  if (!learning_rate_usable(lr, *lr.value)) return;
+  for (int i = threadIdx.x; i < table.count; i += blockDim.x) *table.step[i] += 1.0f;
+}
+
+void increment_steps(const std::vector<float*>& steps, const LearningRate& lr, cudaStream_t stream) {
+  const int count = static_cast<int>(steps.size());
+  for (int first = 0; first < count; first += UtilityPolicy::kMaxSteps) {
+    StepTable table{};
+    table.count = std::min(UtilityPolicy::kMaxSteps, count - first);
+    for (int i = 0; i < table.count; ++i) table.step[i] = steps[first + i];
+    GS_LAUNCH(increment_steps_kernel, 1, kThreads, stream, table, lr);
+    GS_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// Standalone quantisation (state_dict conversions, graphsafe.ops): one thread per quantisation block, the
+// CPU's quantize_block (the same rules as the fused step).
+__global__ void quantize_kernel(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                                float* absmax) {
+  const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (b >= block_count(numel, block_size)) return;
+  const int64_t begin = b * block_size, end = min(numel, begin + block_size);
+  absmax[b] = quantize_block(kSharedMapsImage.words(is_signed), is_signed, x + begin, end - begin, codes + begin);
+}
+
+__global__ void dequantize_kernel(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                                  bool is_signed, float* out) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < numel) out[i] = dequantize_value(kSharedMapsImage.value(is_signed), codes[i], absmax[i / block_size]);
+}
+
+}  // namespace
+
+void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
+                     std::size_t workspace_bytes, StreamHandle stream) {
+  check_step_args(a, tensors, count);
+  const LayerwiseLayout layout = check_workspace(Backend::Cuda, a, tensors, count, workspace, workspace_bytes);
+  auto* ws = static_cast<float*>(workspace);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (a.increment_steps) {  // the steps the update kernels do not count: all of them, or the empty tensors'
+    std::vector<float*> ahead;
+    for (int t = 0; t < count; ++t)
+      if (!update_counts_steps(a) || tensors[t].numel == 0) ahead.push_back(tensors[t].step);
+    if (!ahead.empty()) increment_steps(ahead, learning_rate(a), s);
+  }
+  if (is_layerwise(a.options.algorithm)) {
+    launch_layerwise_step(a, tensors, count, ws, layout.factors_offset, s);
+  } else if (a.state_bits == 8) {
+    launch_quantized_elementwise_step(a, tensors, count, s);
+  } else {
+    launch_elementwise_step(a, tensors, count, s);
+  }
+}
+
+void quantize_blockwise_cuda(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
+                             float* absmax, StreamHandle stream) {
+  check_block_size("quantize_blockwise", block_size);
+  const int64_t blocks = block_count(numel, block_size);
+  if (blocks == 0) return;
+  GS_LAUNCH(quantize_kernel, (blocks + kThreads - 1) / kThreads, kThreads, static_cast<cudaStream_t>(stream), x,
+            numel, block_size, is_signed, codes, absmax);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
+                               bool is_signed, float* out, StreamHandle stream) {
+  check_block_size("dequantize_blockwise", block_size);
+  if (numel == 0) return;
+  GS_LAUNCH(dequantize_kernel, (numel + kThreads - 1) / kThreads, kThreads, static_cast<cudaStream_t>(stream), codes,
+            absmax, numel, block_size, is_signed, out);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace graphsafe

@@ -1,0 +1,25 @@
+// The CUDA optimizer step's kernel families, each in its own translation unit: entry_points.cu checks a step and
+// counts its steps ahead where needed, then hands the tensors to the family of the step's algorithm and state
+// width. Each family packs the tensors into launch tables (launch_table.cuh) and launches its kernels on stream.
+#pragma once
+
+#include <cstddef>
+
+#include "common/cuda_check.h"
+#include "graphsafe/optim.h"
+
+namespace graphsafe::optim_detail {
+
+// elementwise.cu: the element-wise algorithms with fp32 or bf16 states (state_bits 32 or 16).
+void launch_elementwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count, cudaStream_t stream);
+
+// quantized_elementwise.cu: the element-wise algorithms with 8-bit states.
+void launch_quantized_elementwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count,
+                                       cudaStream_t stream);
+
+// layerwise.cu: LAMB and LARS at any state width, three kernels per launch table; workspace holds the chunks'
+// squared norms and, from factors_offset (in floats), the tensors' factors (layout.h, LayerwiseLayout).
+void launch_layerwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
+                           std::size_t factors_offset, cudaStream_t stream);
+
+}  // namespace graphsafe::optim_detail
