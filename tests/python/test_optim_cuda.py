@@ -79,7 +79,7 @@ def stable_seed(*parts) -> int:
 
 # Regression: LARS with fp32 parameters once left lanes of a partly filled chunk un-updated on the H200. The
 # cause was an uninitialised state slot (s[1], LAMB's) read by a branch the compiler hoisted, which split the
-# warp on leftover register values; every state slot is now initialised (src/optim/cuda.cu). The tests below
+# warp on leftover register values; every state slot is now initialised (src/optim/cuda/). The tests below
 # cover that case (300- and 5000-element fp32 LARS tensors) like every other.
 
 

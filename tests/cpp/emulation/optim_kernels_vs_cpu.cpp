@@ -1,4 +1,4 @@
-// The optimizer's CUDA kernels (src/optim/cuda.cu compiled as C++ against emulation/common/cuda_check.h)
+// The optimizer's CUDA kernels (the units of src/optim/cuda/ compiled as C++ against emulation/common/cuda_check.h)
 // against the CPU backend, on problems chosen to reach every path: all nine algorithms, fp32/bf16/fp16,
 // skip_zeros on and off, sizes below, at and above a 4096-element chunk and not multiples of 4, pointers off
 // 16-byte alignment, more tensors than one launch holds (5 to 9 here: tests/cpp/CMakeLists.txt), and empty
