@@ -6,6 +6,7 @@ be function-scoped fixtures.
 
 What lives here:
   * `requires_cuda`: skip marker for tests that need a GPU *and* graphsafe's CUDA backend.
+  * `stable_seed`: a seed from test parameters, the same in every process.
   * index generators (uniform, zipf-skewed, hot rows), all driven by an explicit seeded torch.Generator and
     built on the CPU (move them with .to(device)), so a CPU run and a CUDA run see the same indices.
   * `fp64_reference_and_bound`: aten's embedding_dense_backward in float64 plus a per-element error bound
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import zlib
 
 import pytest
 import torch
@@ -57,6 +59,11 @@ def make_generator(seed: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed))
     return gen
+
+
+def stable_seed(*parts) -> int:
+    """A seed from test parameters that is the same in every process (unlike hash() of strings)."""
+    return zlib.crc32(repr(parts).encode())
 
 
 @pytest.fixture
@@ -324,6 +331,12 @@ def make_params(shapes, dtype: torch.dtype, generator: torch.Generator, device="
 def clone_params(params):
     """Fresh nn.Parameters with the same values (and no grads)."""
     return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def set_grad_any_dtype(p, g):
+    """Attach a gradient whose dtype differs from p's (torch refuses unless grad_dtype is cleared)."""
+    p.grad_dtype = None
+    p.grad = g
 
 
 def state_tensors(optimizer, p) -> dict[str, torch.Tensor]:

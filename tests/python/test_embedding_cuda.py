@@ -1,6 +1,6 @@
 """CUDA tests of graphsafe's embedding backward (skipped without a GPU and graphsafe's CUDA backend).
 
-The CPU backend is pinned to the documented reduction order by test_embedding_backward.py; here the CUDA
+The CPU backend is pinned to the documented reduction order by test_embedding_backward_order.py; here the CUDA
 backend must reproduce it bit for bit (torch.equal is not enough: bit patterns are compared, so -0.0 vs
 +0.0 would count), for every dtype, both index dtypes, the padding / scaling options, and shapes that take
 each kernel path: D not a multiple of the vector width (scalar path), D a multiple of 8, D = 4096,
@@ -13,8 +13,6 @@ graph), and graphsafe.nn.Embedding on CUDA.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import pytest
 import torch
@@ -31,6 +29,7 @@ from conftest import (
     make_generator,
     random_grad,
     requires_cuda,
+    stable_seed,
     uniform_indices,
     zipf_indices,
 )
@@ -39,11 +38,6 @@ pytestmark = requires_cuda
 
 op = torch.ops.graphsafe.embedding_backward
 CUDA = "cuda"
-
-
-def stable_seed(*parts) -> int:
-    """A seed from test parameters that is the same in every process (unlike hash() of strings)."""
-    return zlib.crc32(repr(parts).encode())
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +141,7 @@ def test_cuda_matches_cpu_large(dtype, index_dtype, dist):
         assert_cuda_matches_cpu(grad, indices, num_weights, pad, scale, f"D={dim} pad={pad} scale={scale}")
 
 
-# The run layout of test_embedding_backward.LAYOUT_COUNTS plus rows that straddle every kind of boundary:
+# The run layout of test_embedding_backward_order.LAYOUT_COUNTS plus rows that straddle every kind of boundary:
 # rows 0..9 own sorted positions [0,5) [5,32) [32,64) [64,97) [97,197) [197,1007) [1007,1047) [1047,3147)
 # [3147,3148) [3148,4172); then [4172,5120) ends exactly at a group boundary, [5120,6144) is exactly one
 # group, [6144,8193) spans two groups and one position of a third, [8193,8224) is a final short row.

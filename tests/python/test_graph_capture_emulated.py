@@ -26,7 +26,7 @@ import graphsafe
 from graphsafe.graph import use_graphsafe_embeddings
 from graphsafe.graph.capture import FullCaptureRunner, PiecewiseCaptureRunner
 from conftest import make_generator
-from test_graph import EmbeddingModel, Planted, assert_step_equals_eager_loop, ce_loss, make_batch
+from graph_helpers import EmbeddingModel, Planted, assert_step_equals_eager_loop, ce_loss, make_batch
 
 
 class EmulatedGraph:
@@ -194,7 +194,7 @@ def test_written_buffers_are_the_ones_the_graph_updates_in_place():
     a read-only buffer."""
     from graphsafe.graph.capture import written_buffers
     from graphsafe.graph.trace import trace_training_step
-    from test_graph import CLASSES, DIM, VOCAB
+    from graph_helpers import CLASSES, DIM, VOCAB
 
     class WithBatchNorm(torch.nn.Module):
         def __init__(self) -> None:

@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphsafe
 from graphsafe.graph import CaptureError, InputMismatchError, capture_gate, use_graphsafe_embeddings
 from conftest import assert_bitwise_equal, make_generator, requires_cuda
+from graph_helpers import ce_loss
 
 pytestmark = requires_cuda
 
@@ -44,10 +45,6 @@ class PlantedHostRead(EmbeddingModel):
         out = super().forward(ids)
         hot = (ids < 64).sum().item()  # a host read: the step cannot be captured whole
         return out * (1.0 + hot / 10000.0)
-
-
-def ce_loss(out, target):
-    return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
 def make_batch(gen, batch=8, seq=32, padding_idx=3):

@@ -156,7 +156,7 @@ RULES: tuple[Rule, ...] = (
     Rule("data_dependent_shape", _has_data_dependent_shape,
          "its shape, or an input's, depends on values computed on the device (it follows one of the nodes above): "
          "a captured kernel would keep the size seen at capture, so it runs eagerly with them",
-         "not checked on a GPU yet (CPU tests only: captured regions read static shapes, test_graph.py)"),
+         "not checked on a GPU yet (CPU tests only: captured regions read static shapes, test_graph_partition.py)"),
     Rule("device_scalar", _uses_device_scalar,
          "uses (or computes) a host number that was read from the device (e.g. the result of .item()): a captured "
          "graph would keep the value from the capture forever",

@@ -1,0 +1,109 @@
+"""Helpers of the CPU embedding-backward tests (test_embedding_backward_*.py): the op and a call of it with
+default options, the check against aten's float64 reference within the derived error bound, an independent
+sequential implementation of the documented reduction order, and gradients whose summation order shows in the bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import (
+    TILE,
+    TILE_GROUP,
+    accumulation_dtype,
+    assert_within_bound,
+    fp64_reference_and_bound,
+    normalise_padding_idx,
+)
+
+
+op = torch.ops.graphsafe.embedding_backward
+
+
+def run_op(grad, indices, num_weights, padding_idx=None, scale_grad_by_freq=False):
+    pad = -1 if padding_idx is None else padding_idx
+    return op(grad, indices, num_weights, pad, scale_grad_by_freq)
+
+
+def check_against_fp64(grad, indices, num_weights, padding_idx, scale, out=None):
+    if out is None:
+        out = run_op(grad, indices, num_weights, padding_idx, scale)
+    assert out.dtype == grad.dtype
+    assert out.shape == (num_weights, grad.shape[-1])
+    ref, bound = fp64_reference_and_bound(grad, indices, num_weights, padding_idx, scale)
+    assert_within_bound(out, ref, bound, f"{grad.dtype} pad={padding_idx} scale={scale}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# An independent, deliberately plain implementation of the documented reduction order.
+# --------------------------------------------------------------------------------------------------------
+
+
+def documented_order_reference(grad, indices, num_weights, padding_idx=None, scale_grad_by_freq=False):
+    """Sequential Python/torch version of the order documented in include/graphsafe/embedding.h.
+
+    Every arithmetic step is a single elementwise torch op on [D]-shaped tensors in the accumulation dtype
+    (fp32, or fp64 for fp64): each element is one IEEE operation, rounded to nearest even, exactly what a
+    scalar fp32 loop does. Division uses a full tensor (not a Python scalar) so that no kernel can turn it
+    into a multiplication by a reciprocal. The final .to(dtype) is a single round-to-nearest-even.
+
+    Sorted positions count contributing occurrences only: occurrences of the padding row are left out
+    before positions are numbered. (embedding.h says "the occurrences are sorted"; both backends give the
+    padding row's occurrences no sorted position among the real rows — the CPU drops them, CUDA sorts them
+    behind every row — and CPU/CUDA agreement needs exactly this reading.)
+    """
+    d = grad.shape[-1]
+    g = grad.reshape(-1, d)
+    acc_dtype = accumulation_dtype(grad.dtype)
+    pad = normalise_padding_idx(padding_idx, num_weights)
+
+    # (row, position) pairs of the contributing occurrences, sorted; index p in this list = sorted position.
+    order = sorted((row, position) for position, row in enumerate(indices.reshape(-1).tolist()) if row != pad)
+    runs: dict[int, list[int]] = {}  # row -> [s, e)
+    for p, (row, _) in enumerate(order):
+        runs.setdefault(row, [p, p])[1] = p + 1
+
+    def zeros():
+        return torch.zeros(d, dtype=acc_dtype)  # +0
+
+    def sum_occurrences(first, stop):  # sorted positions [first, stop), left to right from +0
+        acc = zeros()
+        for p in range(first, stop):
+            acc = acc + g[order[p][1]].to(acc_dtype)
+        return acc
+
+    def sum_tile_sums(s, e, first_tile, last_tile):  # the row's per-tile sums over tiles [first, last]
+        acc = zeros()
+        for t in range(first_tile, last_tile + 1):
+            acc = acc + sum_occurrences(max(s, t * TILE), min(e, (t + 1) * TILE))
+        return acc
+
+    out = torch.zeros(num_weights, d, dtype=grad.dtype)
+    for row, (s, e) in runs.items():
+        first_tile, last_tile = s // TILE, (e - 1) // TILE
+        first_group, last_group = first_tile // TILE_GROUP, last_tile // TILE_GROUP
+        if first_tile == last_tile:  # inside one tile
+            total = sum_occurrences(s, e)
+        elif first_group == last_group:  # tiles of one group
+            total = sum_tile_sums(s, e, first_tile, last_tile)
+        else:  # several groups: sum of per-group sums, each the sum of the row's tile sums in that group
+            total = zeros()
+            for u in range(first_group, last_group + 1):
+                lo = max(first_tile, u * TILE_GROUP)
+                hi = min(last_tile, (u + 1) * TILE_GROUP - 1)
+                total = total + sum_tile_sums(s, e, lo, hi)
+        if scale_grad_by_freq:
+            total = total / torch.full_like(total, float(e - s))
+        out[row] = total.to(grad.dtype)
+    return out
+
+
+def wide_range_grad(shape, dtype, generator):
+    """Values spread over ~2^-10..2^10 with both signs, so that the summation order changes fp32 results."""
+    base = torch.randn(shape, generator=generator, dtype=torch.float64)
+    exps = torch.randint(-10, 11, shape, generator=generator).to(torch.float64)
+    values = base * torch.pow(2.0, exps)
+    if dtype == torch.float16:
+        values = values.clamp(-60000, 60000)
+    return values.to(dtype)
