@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._core_args import dtype_name
 from .embedding import METHODS, float64_reference, max_abs_error
 from .harness import resolve_device
 from .environment import device_name
@@ -161,7 +162,7 @@ def _table(rows: list[DemoRow]) -> str:
         return f"no [{number}]"
 
     table_rows = [
-        (str(r.dtype).removeprefix("torch."), r.variant.name, r.method, fmt_ms(r.ms), fmt_error(r.error),
+        (dtype_name(r.dtype), r.variant.name, r.method, fmt_ms(r.ms), fmt_error(r.error),
          fmt_bool(r.repeatable), capture_cell(r.capture), r.note)
         for r in rows
     ]

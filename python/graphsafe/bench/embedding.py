@@ -13,6 +13,7 @@ import torch
 
 import graphsafe
 
+from .._core_args import dtype_name
 from .harness import BenchContext, Suite, Target, register_suite
 from .indices import ZIPF_EXPONENT, hot_row_indices, uniform_indices, zipf_indices
 from .report import fmt_bool, fmt_bytes, fmt_error, fmt_float, fmt_ms, first_line, markdown_table
@@ -138,8 +139,8 @@ def _base_record(ctx: BenchContext, case: EmbeddingCase, method: str) -> dict:
         "case_name": case.name,
         "method": method,
         "device": ctx.device.type,
-        "dtype": str(case.dtype).removeprefix("torch."),
-        "index_dtype": str(INDEX_DTYPE).removeprefix("torch."),
+        "dtype": dtype_name(case.dtype),
+        "index_dtype": dtype_name(INDEX_DTYPE),
         "V": case.num_weights,
         "D": case.dim,
         "N": case.num_indices,
@@ -294,7 +295,7 @@ def _legend(ctx: BenchContext) -> str:
     lines = ["Cases (int64 indices; grad ~ N(0,1) in the case's dtype; seed fixed):"]
     for case in cases_for(ctx.quick):
         lines.append(
-            f"{case.number}. {case.name}: V={case.num_weights} D={case.dim} {str(case.dtype).removeprefix('torch.')}, "
+            f"{case.number}. {case.name}: V={case.num_weights} D={case.dim} {dtype_name(case.dtype)}, "
             f"{case.describe_indices()}; min bytes {fmt_bytes(case.min_bytes())}"
         )
     lines.append("")

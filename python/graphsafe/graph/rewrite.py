@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from .. import nn as gs_nn
+from .._core_args import dtype_name
 from .._C import cuda_available as _cuda_backend_built
 
 __all__ = ["RewriteReport", "rewrite_embedding_backward", "use_graphsafe_embeddings"]
@@ -88,7 +89,7 @@ def rewrite_embedding_backward(gm: GraphModule) -> tuple[GraphModule, RewriteRep
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        index_dtype = str(indices.meta["val"].dtype).removeprefix("torch.")
+        index_dtype = dtype_name(indices.meta["val"].dtype)
         report.rewritten.append(
             f"{new.name} (was {node.name}): {num_weights} rows, padding_idx={padding_idx}, "
             f"scale_grad_by_freq={bool(scale)}, {index_dtype} indices"
