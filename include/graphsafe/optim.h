@@ -1,4 +1,5 @@
-// Optimizer steps with fp32, bf16 or 8-bit states for nine algorithms, on many tensors at once, without host syncs.
+// Optimizer steps with fp32, bf16 or 8-bit states for the algorithms of graphsafe/optim_algorithms.h, on many
+// tensors at once, without host syncs.
 //
 // Every update rule is written once (src/optim/rules.h) and shared by the CPU and CUDA backends. The
 // learning rate and the step counter are read from memory at run time (device memory on CUDA), so a step
@@ -61,6 +62,9 @@ struct OptimTensor {
   uint8_t* codes[kMaxOptimStates] = {};
   float* absmax[kMaxOptimStates] = {};
   float* step = nullptr;  // this parameter's step number: 1 on its first step (see OptimStepArgs::increment_steps)
+  // The algorithm's optim_schedule_size schedule values (graphsafe/optim_algorithms.h), one float64 each; the
+  // step advances them once, whether or not it counts the step.
+  double* schedule[kMaxScheduleValues] = {};
   int64_t numel = 0;
 };
 
@@ -85,6 +89,42 @@ struct OptimStepArgs {
   // elements (a power of two, 32 to 1024).
   int state_bits = 32;
   int block_size = 256;
+};
+
+// The range an option must lie in (validate_optim_options): flags take any value.
+enum class OptionRange : int8_t { Flag, Finite, NonNegative, Positive, UnitInterval /* [0, 1) */ };
+
+// Every option an algorithm of the table may name: its name in the table and the bindings, the name an error
+// message shows (the Python argument's), the OptimOptions field it sets and its range. The option checks,
+// set_optim_option and the bindings read this list; a compile-time check (src/optim/common.cpp) finds every
+// option of kOptimAlgorithms here.
+struct OptimOptionField {
+  const char* name;
+  const char* shown_as;
+  double OptimOptions::*number;
+  bool OptimOptions::*flag;
+  OptionRange range;
+};
+inline constexpr OptimOptionField kOptimOptionFields[] = {
+    {"beta1", "betas[0]", &OptimOptions::beta1, nullptr, OptionRange::UnitInterval},
+    {"beta2", "betas[1]", &OptimOptions::beta2, nullptr, OptionRange::UnitInterval},
+    {"beta3", "betas[2]", &OptimOptions::beta3, nullptr, OptionRange::UnitInterval},
+    {"eps", "eps", &OptimOptions::eps, nullptr, OptionRange::NonNegative},
+    {"weight_decay", "weight_decay", &OptimOptions::weight_decay, nullptr, OptionRange::NonNegative},
+    {"momentum", "momentum", &OptimOptions::momentum, nullptr, OptionRange::NonNegative},
+    {"dampening", "dampening", &OptimOptions::dampening, nullptr, OptionRange::Finite},
+    {"alpha", "alpha", &OptimOptions::alpha, nullptr, OptionRange::NonNegative},
+    {"lr_decay", "lr_decay", &OptimOptions::lr_decay, nullptr, OptionRange::NonNegative},
+    {"mix_alpha", "alpha", &OptimOptions::mix_alpha, nullptr, OptionRange::NonNegative},
+    {"alpha_warmup", "t_alpha", &OptimOptions::alpha_warmup, nullptr, OptionRange::NonNegative},
+    {"beta3_warmup", "t_beta3", &OptimOptions::beta3_warmup, nullptr, OptionRange::NonNegative},
+    {"trust_coefficient", "trust_coefficient", &OptimOptions::trust_coefficient, nullptr, OptionRange::Positive},
+    {"amsgrad", "amsgrad", nullptr, &OptimOptions::amsgrad, OptionRange::Flag},
+    {"maximize", "maximize", nullptr, &OptimOptions::maximize, OptionRange::Flag},
+    {"nesterov", "nesterov", nullptr, &OptimOptions::nesterov, OptionRange::Flag},
+    {"centered", "centered", nullptr, &OptimOptions::centered, OptionRange::Flag},
+    {"bias_correction", "bias_correction", nullptr, &OptimOptions::bias_correction, OptionRange::Flag},
+    {"skip_zeros", "skip_zeros", nullptr, &OptimOptions::skip_zeros, OptionRange::Flag},
 };
 
 // Whether a state of this presence exists under these options (graphsafe/optim_algorithms.h).
@@ -122,7 +162,8 @@ void set_optim_option(OptimOptions& o, std::string_view name, double value);
 void validate_optim_options(const OptimOptions& options);
 
 // Scratch bytes for a step over `count` tensors of the given sizes (LAMB and LARS keep per-block norm
-// partials and per-tensor trust ratios there; the others need none). Depends on sizes only.
+// partials and per-tensor trust ratios there, an algorithm with a schedule one float64 per tensor; the others
+// need none). Depends on sizes only.
 std::size_t optim_workspace_bytes(Backend backend, const OptimOptions& options, const int64_t* numels, int count);
 
 void optim_step_cpu(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,

@@ -1,13 +1,14 @@
 // The one declaration of every optimizer algorithm: its name, the options it reads, its states (in the core's
-// order, each with its signedness, when it exists and the storage widths it may take) and whether it is
-// layer-wise. The core's option checks and state counts, the bindings (names, option names, state names), the
+// order, each with its signedness, when it exists, the storage widths it may take and how it starts), its
+// per-tensor schedule values and whether it is layer-wise. The core's option checks and state counts, the bindings (names, option names, state names), the
 // 8-bit maps' choice of signed or unsigned map and the Python classes' state names all read or are checked
 // against this table (tests/cpp/test_optim_table.cpp checks the rest of the core against it at compile time).
 //
-// Adding an element-wise algorithm: an enumerator and a table entry here, its update rule in src/optim/rules.h
-// (and its case in with_algorithm there: a compile-time check names a missing one), its option checks in
-// validate_optim_options (src/optim/common.cpp), and a Python class in python/graphsafe/optim/algorithms.py
-// (constructor, docstring, _options). docs/optim.md, "Adding an algorithm", lists the steps.
+// Adding an element-wise algorithm: an enumerator and a table entry here (and any new option: an OptimOptions
+// field with its kOptimOptionFields entry, graphsafe/optim.h), its update rule in src/optim/rules.h (and its
+// cases in the switches there: compile-time checks name a missing one), and a Python class in
+// python/graphsafe/optim/algorithms.py (constructor, docstring, _options). docs/optim.md, "Adding an
+// algorithm", lists the steps.
 #pragma once
 
 #include <cstddef>
@@ -17,6 +18,10 @@ namespace graphsafe {
 
 // In table order (kOptimAlgorithms[i].algorithm is enumerator i).
 enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix };
+
+// How a state starts, on a parameter's first step: zeros, or a copy of the parameter (an iterate the
+// algorithm keeps beside the parameter).
+enum class StateInit : int8_t { Zero, Param };
 
 // When a state exists, given the options (states an option turns off are not kept at all).
 enum class StatePresence : int8_t {
@@ -36,10 +41,12 @@ struct OptimStateSpec {
   bool is_signed = true;       // 8-bit: the signed map (values of either sign) or the unsigned one (>= 0)
   StatePresence presence = StatePresence::Always;
   uint8_t storage = kAnyStorage;
+  StateInit init = StateInit::Zero;
 };
 
 inline constexpr int kMaxOptimStates = 4;   // OptimTensor's state slots
 inline constexpr int kMaxOptimOptions = 8;  // options of one algorithm, besides maximize and skip_zeros
+inline constexpr int kMaxScheduleValues = 2;  // OptimTensor's schedule slots
 
 struct OptimAlgorithmSpec {
   OptimAlgorithm algorithm;
@@ -49,6 +56,10 @@ struct OptimAlgorithmSpec {
   // maximize and skip_zeros).
   const char* options[kMaxOptimOptions];
   OptimStateSpec states[kMaxOptimStates];
+  // Per-tensor float64 values the algorithm carries from step to step besides its states (running sums over
+  // the steps, kept per parameter like its step count), by their state_dict keys: its rule advances them once
+  // per tensor and step, before the update (src/optim/rules.h, advance_schedule). None for most algorithms.
+  const char* schedule[kMaxScheduleValues] = {};
 };
 
 inline constexpr OptimAlgorithmSpec kOptimAlgorithms[] = {
@@ -90,6 +101,12 @@ constexpr const OptimAlgorithmSpec& optim_algorithm_spec(OptimAlgorithm a) {
 constexpr int optim_max_states(OptimAlgorithm a) {
   int n = 0;
   for (const OptimStateSpec& s : optim_algorithm_spec(a).states) n += s.name != nullptr;
+  return n;
+}
+// How many schedule values the algorithm keeps per tensor.
+constexpr int optim_schedule_size(OptimAlgorithm a) {
+  int n = 0;
+  for (const char* name : optim_algorithm_spec(a).schedule) n += name != nullptr;
   return n;
 }
 constexpr int optim_min_states(OptimAlgorithm a) {

@@ -91,7 +91,7 @@ const char* presence_name(StatePresence presence) {
 }
 
 // The table as Python sees it: {name: {"layerwise": bool, "options": [...], "states": [{"name", "signed",
-// "present_when", "storage_bits": [...]}, ...]}}.
+// "present_when", "storage_bits": [...], "init": "zero" | "param"}, ...], "schedule": [...]}}.
 nb::dict optim_algorithm_table() {
   nb::dict table;
   for (const OptimAlgorithmSpec& spec : kOptimAlgorithms) {
@@ -108,12 +108,17 @@ nb::dict optim_algorithm_table() {
       entry["signed"] = state.is_signed;
       entry["present_when"] = presence_name(state.presence);
       entry["storage_bits"] = bits;
+      entry["init"] = state.init == StateInit::Param ? "param" : "zero";
       states.append(entry);
     }
+    nb::list schedule;
+    for (const char* name : spec.schedule)
+      if (name != nullptr) schedule.append(name);
     nb::dict entry;
     entry["layerwise"] = spec.layerwise;
     entry["options"] = options;
     entry["states"] = states;
+    entry["schedule"] = schedule;
     table[spec.name] = entry;
   }
   return table;
@@ -249,7 +254,7 @@ NB_MODULE(_C, m) {
          const std::vector<std::uintptr_t>& states, const std::vector<std::uintptr_t>& absmax,
          const std::vector<std::uintptr_t>& steps, const std::vector<int64_t>& numels, std::uintptr_t workspace,
          std::size_t workspace_bytes, bool increment_steps, int state_bits, int block_size,
-         std::uintptr_t finish_counter) {
+         std::uintptr_t finish_counter, const std::vector<std::uintptr_t>& schedule) {
         const std::size_t count = params.size();
         if (grads.size() != count || steps.size() != count || numels.size() != count)
           throw std::invalid_argument("optim_step: params, grads, steps and numels differ in length");
@@ -269,6 +274,11 @@ NB_MODULE(_C, m) {
         if (absmax.size() != (state_bits == 8 ? state_count * count : 0))
           throw std::invalid_argument("optim_step: 8-bit states need one absmax address per state and tensor, "
                                       "fp32 and bf16 states none; got " + std::to_string(absmax.size()));
+        const std::size_t schedule_size = static_cast<std::size_t>(optim_schedule_size(args.options.algorithm));
+        if (schedule.size() != schedule_size * count)
+          throw std::invalid_argument("optim_step: " + std::to_string(schedule.size()) + " schedule addresses for " +
+                                      std::to_string(count) + " tensors of an algorithm that keeps " +
+                                      std::to_string(schedule_size) + " schedule values each");
         std::vector<OptimTensor> tensors(count);
         for (std::size_t t = 0; t < count; ++t) {
           tensors[t].param = as_pointer(params[t]);
@@ -283,6 +293,8 @@ NB_MODULE(_C, m) {
             }
           }
           tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
+          for (std::size_t j = 0; j < schedule_size; ++j)
+            tensors[t].schedule[j] = static_cast<double*>(as_pointer(schedule[j * count + t]));
           tensors[t].numel = numels[t];
         }
         run_on(
@@ -300,10 +312,13 @@ NB_MODULE(_C, m) {
       nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("absmax"), nb::arg("steps"), nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"),
       nb::arg("increment_steps"), nb::arg("state_bits"), nb::arg("block_size"), nb::arg("finish_counter"),
+      nb::arg("schedule") = std::vector<std::uintptr_t>{},
       "states: the fp32 state addresses (bf16 with state_bits=16), or with state_bits=8 the codes' (uint8), state "
       "by state: state j of tensor t at j * len(params) + t; absmax the same for the 8-bit scales (empty for fp32 "
       "and bf16 states). "
-      "finish_counter: CUDA, the address of a zeroed uint32 (OptimStepArgs::finish_counter), or 0.");
+      "finish_counter: CUDA, the address of a zeroed uint32 (OptimStepArgs::finish_counter), or 0. "
+      "schedule: the float64 schedule values' addresses (OptimTensor::schedule), value j of tensor t at "
+      "j * len(params) + t.");
 
   m.def(
       "quantization_map", [](bool is_signed) {

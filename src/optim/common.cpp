@@ -24,6 +24,10 @@ std::string value(double v) { return std::to_string(v); }
 constexpr bool rules_agree_with_table() {
   for (const OptimAlgorithmSpec& spec : kOptimAlgorithms) {
     if (optim_detail::is_layerwise(spec.algorithm) != spec.layerwise) return false;
+    if (optim_detail::schedule_size(spec.algorithm) != optim_schedule_size(spec.algorithm)) return false;
+    bool all_8bit = true;
+    for (const OptimStateSpec& state : spec.states) all_8bit = all_8bit && (state.storage & kStorage8) != 0;
+    if (optim_detail::quantizable(spec.algorithm) != all_8bit) return false;
     for (int states = 0; states <= kMaxOptimStates; ++states) {
       const bool in_range = states >= optim_min_states(spec.algorithm) && states <= optim_max_states(spec.algorithm);
       if (optim_detail::can_keep_states(spec.algorithm, states) != in_range) return false;
@@ -31,7 +35,8 @@ constexpr bool rules_agree_with_table() {
   }
   return true;
 }
-static_assert(rules_agree_with_table(), "rules.h's is_layerwise / can_keep_states disagree with kOptimAlgorithms");
+static_assert(rules_agree_with_table(),
+              "rules.h's is_layerwise / schedule_size / quantizable / can_keep_states disagree with kOptimAlgorithms");
 
 const OptimStateSpec& optim_state_spec(const OptimOptions& o, int j) {
   int present = 0;
@@ -49,34 +54,6 @@ OptimAlgorithm optim_algorithm_from_name(std::string_view name) {
 }
 
 namespace {
-// Every option an algorithm of the table may name: the OptimOptions field it sets.
-struct OptionField {
-  const char* name;
-  double OptimOptions::*number;
-  bool OptimOptions::*flag;
-};
-constexpr OptionField kOptionFields[] = {
-    {"beta1", &OptimOptions::beta1, nullptr},
-    {"beta2", &OptimOptions::beta2, nullptr},
-    {"beta3", &OptimOptions::beta3, nullptr},
-    {"eps", &OptimOptions::eps, nullptr},
-    {"weight_decay", &OptimOptions::weight_decay, nullptr},
-    {"momentum", &OptimOptions::momentum, nullptr},
-    {"dampening", &OptimOptions::dampening, nullptr},
-    {"alpha", &OptimOptions::alpha, nullptr},
-    {"lr_decay", &OptimOptions::lr_decay, nullptr},
-    {"mix_alpha", &OptimOptions::mix_alpha, nullptr},
-    {"alpha_warmup", &OptimOptions::alpha_warmup, nullptr},
-    {"beta3_warmup", &OptimOptions::beta3_warmup, nullptr},
-    {"trust_coefficient", &OptimOptions::trust_coefficient, nullptr},
-    {"amsgrad", nullptr, &OptimOptions::amsgrad},
-    {"maximize", nullptr, &OptimOptions::maximize},
-    {"nesterov", nullptr, &OptimOptions::nesterov},
-    {"centered", nullptr, &OptimOptions::centered},
-    {"bias_correction", nullptr, &OptimOptions::bias_correction},
-    {"skip_zeros", nullptr, &OptimOptions::skip_zeros},
-};
-
 constexpr bool same_name(const char* a, const char* b) {
   while (*a != 0 && *a == *b) ++a, ++b;
   return *a == *b;
@@ -88,7 +65,7 @@ constexpr bool table_options_have_fields() {
     for (const char* option : spec.options) {
       if (option == nullptr) continue;
       bool found = false;
-      for (const OptionField& field : kOptionFields) found = found || same_name(option, field.name);
+      for (const OptimOptionField& field : kOptimOptionFields) found = found || same_name(option, field.name);
       if (!found) return false;
     }
   return true;
@@ -102,7 +79,7 @@ void set_optim_option(OptimOptions& o, std::string_view name, double value) {
   for (const char* option : spec.options) taken = taken || (option != nullptr && name == option);
   if (!taken)
     throw std::invalid_argument("unknown optimizer option '" + std::string(name) + "' for " + spec.name);
-  for (const OptionField& field : kOptionFields) {
+  for (const OptimOptionField& field : kOptimOptionFields) {
     if (name != field.name) continue;
     if (field.number != nullptr) o.*(field.number) = value;
     else o.*(field.flag) = value != 0.0;
@@ -110,46 +87,42 @@ void set_optim_option(OptimOptions& o, std::string_view name, double value) {
   }
 }
 
+namespace {
+// The first of o's options (by the table's order) outside its range (kOptimOptionFields), or null.
+const char* out_of_range(const OptimOptions& o, const OptimOptionField& field) {
+  if (field.number == nullptr) return nullptr;
+  const double v = o.*(field.number);
+  switch (field.range) {
+    case OptionRange::Flag: return nullptr;
+    case OptionRange::Finite: return std::isfinite(v) ? nullptr : "must be finite";
+    case OptionRange::NonNegative: return std::isfinite(v) && v >= 0.0 ? nullptr : "must be >= 0";
+    case OptionRange::Positive: return std::isfinite(v) && v > 0.0 ? nullptr : "must be > 0";
+    case OptionRange::UnitInterval: return std::isfinite(v) && v >= 0.0 && v < 1.0 ? nullptr : "must be in [0, 1)";
+  }
+  return nullptr;
+}
+}  // namespace
+
 void validate_optim_options(const OptimOptions& o) {
-  auto in_unit = [](double b) { return std::isfinite(b) && b >= 0.0 && b < 1.0; };
-  require(std::isfinite(o.eps) && o.eps >= 0.0, "eps must be >= 0, got " + value(o.eps));
-  require(std::isfinite(o.weight_decay) && o.weight_decay >= 0.0,
-          "weight_decay must be >= 0, got " + value(o.weight_decay));
-  require(std::isfinite(o.momentum) && o.momentum >= 0.0, "momentum must be >= 0, got " + value(o.momentum));
+  for (const char* option : optim_algorithm_spec(o.algorithm).options) {
+    if (option == nullptr) continue;
+    for (const OptimOptionField& field : kOptimOptionFields) {
+      if (!same_name(option, field.name)) continue;
+      if (const char* why = out_of_range(o, field))
+        require(false, std::string(field.shown_as) + " " + why + ", got " + value(o.*(field.number)));
+    }
+  }
+  // Rules between options, beyond each option's range.
   switch (o.algorithm) {
-    case OptimAlgorithm::Adam:
-    case OptimAlgorithm::AdamW:
-    case OptimAlgorithm::LAMB:
-    case OptimAlgorithm::Lion:
-      require(in_unit(o.beta1), "betas[0] must be in [0, 1), got " + value(o.beta1));
-      require(in_unit(o.beta2), "betas[1] must be in [0, 1), got " + value(o.beta2));
-      break;
-    case OptimAlgorithm::AdEMAMix:
-      require(in_unit(o.beta1), "betas[0] must be in [0, 1), got " + value(o.beta1));
-      require(in_unit(o.beta2), "betas[1] must be in [0, 1), got " + value(o.beta2));
-      require(in_unit(o.beta3), "betas[2] must be in [0, 1), got " + value(o.beta3));
-      require(std::isfinite(o.mix_alpha) && o.mix_alpha >= 0.0, "alpha must be >= 0, got " + value(o.mix_alpha));
-      require(std::isfinite(o.alpha_warmup) && std::isfinite(o.beta3_warmup) && o.alpha_warmup >= 0.0 &&
-                  o.beta3_warmup >= 0.0,
-              "warm-up lengths must be finite and >= 0");
-      require(o.beta3_warmup == 0.0 || (o.beta1 > 0.0 && o.beta3 > 0.0),
-              "the beta3 warm-up needs betas[0] > 0 and betas[2] > 0");
-      break;
     case OptimAlgorithm::SGD:
       require(!o.nesterov || (o.momentum > 0.0 && o.dampening == 0.0),
               "nesterov momentum requires a momentum and zero dampening");
-      require(std::isfinite(o.dampening), "dampening must be finite");
       break;
-    case OptimAlgorithm::RMSprop:
-      require(std::isfinite(o.alpha) && o.alpha >= 0.0, "alpha must be >= 0, got " + value(o.alpha));
+    case OptimAlgorithm::AdEMAMix:
+      require(o.beta3_warmup == 0.0 || (o.beta1 > 0.0 && o.beta3 > 0.0),
+              "the beta3 warm-up needs betas[0] > 0 and betas[2] > 0");
       break;
-    case OptimAlgorithm::Adagrad:
-      require(std::isfinite(o.lr_decay) && o.lr_decay >= 0.0, "lr_decay must be >= 0, got " + value(o.lr_decay));
-      break;
-    case OptimAlgorithm::LARS:
-      require(std::isfinite(o.trust_coefficient) && o.trust_coefficient > 0.0,
-              "trust_coefficient must be > 0, got " + value(o.trust_coefficient));
-      break;
+    default: break;
   }
 }
 
@@ -179,6 +152,11 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     if (x.step == nullptr) throw std::invalid_argument("optimizer step: step pointer is null");
     if (x.numel > 0 && (x.param == nullptr || x.grad == nullptr))
       throw std::invalid_argument("optimizer step: null param or grad pointer");
+    for (int j = 0; j < optim_schedule_size(a.options.algorithm); ++j)
+      if (x.schedule[j] == nullptr)
+        throw std::invalid_argument(std::string("optimizer step: schedule value ") +
+                                    optim_algorithm_spec(a.options.algorithm).schedule[j] + " of tensor " +
+                                    std::to_string(t) + " is null");
     for (int j = 0; j < states; ++j) {
       const bool present = a.state_bits != 8 ? x.state[j] != nullptr : x.codes[j] != nullptr && x.absmax[j] != nullptr;
       if (x.numel > 0 && !present)
@@ -208,8 +186,9 @@ const float* quantization_map(bool is_signed) {
 bool optim_state_is_signed(const OptimOptions& options, int j) { return optim_state_spec(options, j).is_signed; }
 
 std::size_t optim_workspace_bytes(Backend, const OptimOptions& o, const int64_t* numels, int count) {
-  if (!optim_detail::is_layerwise(o.algorithm)) return 0;
-  return optim_detail::layerwise_layout(numels, count).bytes;
+  if (optim_detail::is_layerwise(o.algorithm)) return optim_detail::layerwise_layout(numels, count).bytes;
+  if (optim_schedule_size(o.algorithm) > 0) return static_cast<std::size_t>(count) * sizeof(double);
+  return 0;
 }
 
 }  // namespace graphsafe

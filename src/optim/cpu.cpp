@@ -195,9 +195,12 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   const OptimOptions& o = a.options;
   const float lr = *a.lr;
   int64_t chunk_base = 0;
+  const int schedule = optim_schedule_size(o.algorithm);
   for (int t = 0; t < count; ++t) {
     if (a.increment_steps) *tensors[t].step += 1.0f;
-    const Coefficients k = coefficients(o, lr, *tensors[t].step);
+    const float step = *tensors[t].step;
+    const double weight = schedule > 0 ? advance_schedule_at(o, lr, step, tensors[t].schedule, schedule) : 0.0;
+    const Coefficients k = coefficients(o, lr, step, weight);
     if (is_layerwise(o.algorithm)) {
       layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base, workspace + factors_offset + t);
       chunk_base += chunk_count(tensors[t].numel);

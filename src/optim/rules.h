@@ -124,9 +124,11 @@ struct Coefficients {
   float neg_adagrad_lr;         // -lr / (1 + (step - 1) * lr_decay)
   float mix_alpha;              // AdEMAMix alpha after warm-up
   float beta3, one_minus_beta3; // AdEMAMix beta3 after warm-up
+  float schedule_weight;        // an algorithm with a schedule: what advance_schedule returned for the tensor
 };
 
-GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float step_value) {
+// schedule_weight: the tensor's value from advance_schedule (0 for an algorithm without a schedule).
+GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float step_value, double schedule_weight = 0.0) {
   const double lr = lr_value, step = step_value;
   Coefficients k{};
   k.lr = lr_value;
@@ -164,7 +166,26 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
   }
   k.beta3 = static_cast<float>(beta3);
   k.one_minus_beta3 = static_cast<float>(1.0 - beta3);
+  k.schedule_weight = static_cast<float>(schedule_weight);
   return k;
+}
+
+// ---- Schedules: per-tensor float64 values (the table's `schedule`) advanced once per tensor and step, before
+// its update; the backends load them into v[], call advance_schedule and store them back. ----
+
+// Advances the algorithm's schedule values for step number `step` (after its increment) and returns what its
+// rule reads as Coefficients::schedule_weight; 0, touching nothing, for an algorithm without a schedule.
+GS_HD double advance_schedule(const OptimOptions& /*o*/, float /*lr*/, float /*step*/, double* /*v*/) {
+  return 0.0;
+}
+
+// advance_schedule on one tensor's values where they live (values[j]: the address of value j).
+GS_HD double advance_schedule_at(const OptimOptions& o, float lr, float step, double* const* values, int size) {
+  double v[kMaxScheduleValues] = {};
+  for (int j = 0; j < size; ++j) v[j] = *values[j];
+  const double weight = advance_schedule(o, lr, step, v);
+  for (int j = 0; j < size; ++j) *values[j] = v[j];
+  return weight;
 }
 
 // ---- Element-wise rules (all but LAMB and LARS). s[] holds optim_state_count() states. ----
@@ -288,6 +309,12 @@ GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float 
 // (The switches here and in can_keep_states are device code, which cannot read the algorithm table at run time;
 // src/optim/common.cpp checks them against it at compile time.)
 GS_HD constexpr bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
+
+// Whether every state of algorithm a may be stored in 8 bits (the CUDA backend builds 8-bit kernels only for these).
+GS_HD constexpr bool quantizable(OptimAlgorithm) { return true; }
+
+// How many schedule values algorithm a keeps per tensor (advance_schedule).
+GS_HD constexpr int schedule_size(OptimAlgorithm) { return 0; }
 
 // Whether element-wise algorithm a takes square roots and quotients (so that a Math choice changes its code).
 GS_HD constexpr bool takes_roots(OptimAlgorithm a) { return a != OptimAlgorithm::SGD && a != OptimAlgorithm::Lion; }

@@ -23,9 +23,10 @@ using namespace graphsafe;
 
 namespace {
 
-const OptimAlgorithm kAll[] = {OptimAlgorithm::Adam,    OptimAlgorithm::AdamW, OptimAlgorithm::SGD,
+const OptimAlgorithm kAll[] = {OptimAlgorithm::Adam,    OptimAlgorithm::AdamW,   OptimAlgorithm::SGD,
                                OptimAlgorithm::RMSprop, OptimAlgorithm::Adagrad, OptimAlgorithm::Lion,
-                               OptimAlgorithm::LAMB,    OptimAlgorithm::LARS,  OptimAlgorithm::AdEMAMix};
+                               OptimAlgorithm::LAMB,    OptimAlgorithm::LARS,    OptimAlgorithm::AdEMAMix};
+static_assert(sizeof(kAll) / sizeof(kAll[0]) == kOptimAlgorithmCount, "kAll lists every algorithm of the table");
 
 OptimOptions options_for(OptimAlgorithm a, bool skip_zeros) {
   OptimOptions o;
@@ -43,6 +44,7 @@ OptimOptions options_for(OptimAlgorithm a, bool skip_zeros) {
 struct OptimRun {
   std::vector<float> param, lr{0.01f}, step{0.0f};
   std::vector<std::vector<float>> states;
+  std::vector<double> schedule = std::vector<double>(kMaxScheduleValues, 0.0);
 };
 
 // core_increments: the step adds 1 to the step count itself (OptimStepArgs::increment_steps) instead of
@@ -65,6 +67,7 @@ OptimRun run_cpu(OptimAlgorithm a, bool skip_zeros, int steps, int64_t n, bool c
     t.grad = grad.data();
     for (std::size_t j = 0; j < r.states.size(); ++j) t.state[j] = r.states[j].data();
     t.step = r.step.data();
+    for (int j = 0; j < kMaxScheduleValues; ++j) t.schedule[j] = &r.schedule[j];
     t.numel = n;
     OptimStepArgs args;
     args.options = o;
@@ -76,6 +79,14 @@ OptimRun run_cpu(OptimAlgorithm a, bool skip_zeros, int steps, int64_t n, bool c
 }
 
 uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// Whether every state of algorithm a may be stored in state_bits bits (the table's storage widths).
+bool stores_in(OptimAlgorithm a, int state_bits) {
+  const uint8_t width = state_bits == 32 ? kStorage32 : state_bits == 16 ? kStorage16 : kStorage8;
+  for (const OptimStateSpec& s : optim_algorithm_spec(a).states)
+    if ((s.storage & width) == 0) return false;
+  return true;
+}
 
 }  // namespace
 
@@ -200,6 +211,7 @@ TEST(OptimCpu, RejectsInvalidHyperparameters) {
 TEST(OptimCpu, RefusesAnInvalidLearningRateBeforeWritingAnything) {
   for (OptimAlgorithm a : kAll) {
     for (int state_bits : {32, 8}) {
+      if (!stores_in(a, state_bits)) continue;
       const OptimOptions o = options_for(a, false);
       const int64_t n = 600;
       const int states = optim_state_count(o);
@@ -216,6 +228,8 @@ TEST(OptimCpu, RefusesAnInvalidLearningRateBeforeWritingAnything) {
         t.absmax[j] = absmax[j].data();
       }
       t.step = step.data();
+      std::vector<double> schedule(kMaxScheduleValues, 0.0);
+      for (int j = 0; j < kMaxScheduleValues; ++j) t.schedule[j] = &schedule[j];
       t.numel = n;
       std::vector<unsigned char> ws(optim_workspace_bytes(Backend::Cpu, o, &n, 1));
       OptimStepArgs args;
@@ -235,6 +249,7 @@ TEST(OptimCpu, RefusesAnInvalidLearningRateBeforeWritingAnything) {
           EXPECT_NE(std::string(e.what()).find("invalid learning rate"), std::string::npos) << e.what();
         }
         EXPECT_EQ(step[0], 3.0f);
+        EXPECT_EQ(schedule, std::vector<double>(kMaxScheduleValues, 0.0));
         EXPECT_TRUE(param == param_before && fp32_states == fp32_before && codes == codes_before &&
                     absmax == absmax_before)
             << "algorithm " << int(a) << " state bits " << state_bits << " lr " << lr;
@@ -259,17 +274,20 @@ TEST(OptimCuda, AnInvalidLearningRateWritesNothingAndIsRecorded) {
   const int64_t n = 10001;
   for (OptimAlgorithm a : kAll) {
     for (int state_bits : {32, 8}) {
+      if (!stores_in(a, state_bits)) continue;
       const OptimOptions o = options_for(a, false);
       const int states = optim_state_count(o);
       const int64_t blocks = (n + 255) / 256;
       std::vector<float> param(n, 0.5f), grad(n, 0.25f), zeros(n, 0.0f);
       float *d_param, *d_grad, *d_lr, *d_step, *d_states[4] = {}, *d_absmax[4] = {};
+      double* d_schedule;
       uint8_t* d_codes[4] = {};
       uint32_t* d_counter;
       void* d_ws = nullptr;
       const std::size_t ws_bytes = optim_workspace_bytes(Backend::Cuda, o, &n, 1);
       cudaMalloc(&d_param, n * 4); cudaMalloc(&d_grad, n * 4); cudaMalloc(&d_lr, 4); cudaMalloc(&d_step, 4);
       cudaMalloc(&d_counter, 4); cudaMemset(d_counter, 0, 4);
+      cudaMalloc(&d_schedule, 8 * kMaxScheduleValues); cudaMemset(d_schedule, 0, 8 * kMaxScheduleValues);
       cudaMalloc(&d_ws, ws_bytes + 4);
       for (int j = 0; j < states; ++j) {
         cudaMalloc(&d_states[j], n * 4); cudaMemset(d_states[j], 0, n * 4);
@@ -288,6 +306,7 @@ TEST(OptimCuda, AnInvalidLearningRateWritesNothingAndIsRecorded) {
         t.absmax[j] = d_absmax[j];
       }
       t.step = d_step;
+      for (int j = 0; j < kMaxScheduleValues; ++j) t.schedule[j] = d_schedule + j;
       t.numel = n;
       OptimStepArgs args;
       args.options = o;
@@ -330,6 +349,7 @@ TEST(OptimCuda, AnInvalidLearningRateWritesNothingAndIsRecorded) {
         }
       }
       cudaFree(d_param); cudaFree(d_grad); cudaFree(d_lr); cudaFree(d_step); cudaFree(d_ws); cudaFree(d_counter);
+      cudaFree(d_schedule);
       for (int j = 0; j < states; ++j) { cudaFree(d_states[j]); cudaFree(d_codes[j]); cudaFree(d_absmax[j]); }
     }
   }
@@ -349,10 +369,12 @@ TEST(OptimCuda, MatchesCpu) {
     for (int64_t i = 0; i < n; ++i) (void)normal(rng);  // the initial params
     const int states = optim_state_count(o);
     float *d_param, *d_grad, *d_lr, *d_step, *d_states[4] = {};
+    double* d_schedule;
     void* d_ws = nullptr;
     const std::size_t ws_bytes = optim_workspace_bytes(Backend::Cuda, o, &n, 1);
     cudaMalloc(&d_param, n * 4); cudaMalloc(&d_grad, n * 4); cudaMalloc(&d_lr, 4); cudaMalloc(&d_step, 4);
     cudaMalloc(&d_ws, ws_bytes + 4);
+    cudaMalloc(&d_schedule, 8 * kMaxScheduleValues); cudaMemset(d_schedule, 0, 8 * kMaxScheduleValues);
     for (int j = 0; j < states; ++j) { cudaMalloc(&d_states[j], n * 4); cudaMemset(d_states[j], 0, n * 4); }
     cudaMemcpy(d_param, start.param.data(), n * 4, cudaMemcpyHostToDevice);
     const float lr = 0.01f;
@@ -367,6 +389,7 @@ TEST(OptimCuda, MatchesCpu) {
       t.grad = d_grad;
       for (int j = 0; j < states; ++j) t.state[j] = d_states[j];
       t.step = d_step;
+      for (int j = 0; j < kMaxScheduleValues; ++j) t.schedule[j] = d_schedule + j;
       t.numel = n;
       OptimStepArgs args;
       args.options = o;
@@ -386,7 +409,7 @@ TEST(OptimCuda, MatchesCpu) {
       if (i % 3 == 0) ASSERT_EQ(bits(gpu[i]), bits(start.param[i])) << "skipped element moved on CUDA";
     }
     EXPECT_LT(std::sqrt(diff / norm), 1e-6) << "algorithm " << int(a);
-    cudaFree(d_param); cudaFree(d_grad); cudaFree(d_lr); cudaFree(d_step); cudaFree(d_ws);
+    cudaFree(d_param); cudaFree(d_grad); cudaFree(d_lr); cudaFree(d_step); cudaFree(d_ws); cudaFree(d_schedule);
     for (int j = 0; j < states; ++j) cudaFree(d_states[j]);
   }
 }

@@ -62,3 +62,25 @@ def test_an_option_of_another_algorithm_is_refused():
         _C.optim_state_names("sgd", {"beta1": 0.9})
     with pytest.raises(ValueError, match="unknown optimizer algorithm"):
         _C.optim_state_names("adamax", {})
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_new_states_and_schedule_values_are_the_tables(cls):
+    """A new state starts as the table says (a copy of the parameter, or the class's initial value), and every
+    schedule value the table names is kept per parameter, a 0-d float64 tensor beside 'step'."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = cls([p])
+    group, entry = opt.param_groups[0], TABLE[opt.algorithm]
+    for state in entry["states"]:
+        made = opt._initial_state(group, p, state["name"])
+        if state["init"] == "param":
+            assert torch.equal(made, p.detach()) and made.data_ptr() != p.data_ptr()
+        else:
+            assert torch.equal(made, torch.full_like(p, opt._initial_state_value(group, state["name"])))
+    if hasattr(opt, "train"):  # (AdamWScheduleFree steps in train mode only)
+        opt.train()
+    p.grad = torch.ones(5)
+    opt.step()
+    assert set(entry["schedule"]) <= set(opt.state[p])
+    for key in entry["schedule"]:
+        assert opt.state[p][key].dtype == torch.float64 and opt.state[p][key].shape == ()

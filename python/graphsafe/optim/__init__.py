@@ -2,11 +2,11 @@
 
 import torch
 
+from . import algorithms
 from ._base import GraphsafeOptimizer
-from .algorithms import SGD, AdEMAMix, Adagrad, Adam, AdamW, LAMB, LARS, Lion, RMSprop
+from .algorithms import *  # noqa: F403 (the optimizer classes: algorithms.__all__)
 
-__all__ = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix", "GraphsafeOptimizer",
-           "state_bytes"]
+__all__ = [*algorithms.__all__, "GraphsafeOptimizer", "state_bytes"]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -34,9 +34,17 @@ from ._state_storage import _StateMap, _StateStorage, _check_state_tensors, _che
     _in_step_form, _state_keys, _storage_bits
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS); for the others the core's
-# optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
-_NEEDS_WORKSPACE = frozenset({"lamb", "lars"})
+# The algorithm table (include/graphsafe/optim_algorithms.h), as the bindings give it.
+_ALGORITHMS: dict[str, dict[str, Any]] = _C.optim_algorithms()
+# Per algorithm, its schedule values' names and, per state, how a new one starts ("zero" or "param").
+_SCHEDULES = {name: tuple(spec["schedule"]) for name, spec in _ALGORITHMS.items()}
+_STATE_INITS = {name: {state["name"]: state["init"] for state in spec["states"]} for name, spec in _ALGORITHMS.items()}
+# Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS, the schedule weights of one with a
+# schedule); for the others the core's optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
+_NEEDS_WORKSPACE = frozenset(name for name, spec in _ALGORITHMS.items() if spec["layerwise"] or spec["schedule"])
+# Algorithms with a state that cannot take every storage width (state_bits is checked against the table).
+_STORAGE_LIMITED = frozenset(name for name, spec in _ALGORITHMS.items()
+                             if any(len(state["storage_bits"]) < 3 for state in spec["states"]))
 _DTYPE_NAMES = {dtype: dtype_name(dtype) for dtype in _PARAM_DTYPES}  # the core's names
 # The module the step's core call goes through, under a name that is not an import's: CPython compiles a call
 # through an imported module's name with many keyword arguments (optim_step's 19) into building a dict and
@@ -93,6 +101,18 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         the algorithm table's (include/graphsafe/optim_algorithms.h), read through the bindings."""
         return list(_table_state_names(self.algorithm, tuple(sorted(self._core_options(group).items()))))
 
+    @property
+    def _schedule_names(self) -> tuple[str, ...]:
+        """The algorithm's per-parameter schedule values (the table's), kept in each parameter's state."""
+        return _SCHEDULES[self.algorithm]
+
+    def _initial_state(self, group: dict[str, Any], p: Tensor, name: str) -> Tensor:
+        """A new state `name` of parameter p, in fp32: a copy of p where the table says the state starts as the
+        parameter, else filled with _initial_state_value."""
+        if _STATE_INITS[self.algorithm][name] == "param":
+            return p.detach().to(torch.float32, copy=True)
+        return torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
+
     def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
         return 0.0
 
@@ -113,6 +133,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         _check_lr(group["lr"])
         _C.optim_validate(self.algorithm, self._core_options(group))
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
+        self._check_state_bits(group)
         for p in group["params"]:
             require_readable(type(self).__name__, "a parameter", p)
             if p.dtype not in _PARAM_DTYPES:
@@ -121,6 +142,15 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
                 raise ValueError(f"{type(self).__name__}: parameters must be on cpu or cuda, got {p.device}")
             if not p.is_contiguous():
                 raise ValueError(f"{type(self).__name__}: parameters must be contiguous (the step updates them in place)")
+
+    def _check_state_bits(self, group: dict[str, Any]) -> None:
+        """ValueError if a state of the algorithm cannot be stored at the group's state_bits (the table's storage
+        widths)."""
+        for state in _ALGORITHMS[self.algorithm]["states"]:
+            if group["state_bits"] not in state["storage_bits"]:
+                raise ValueError(
+                    f"{type(self).__name__}: state_bits={group['state_bits']} is not supported: its state "
+                    f"'{state['name']}' can be stored in {' or '.join(map(str, state['storage_bits']))} bits only")
 
     @staticmethod
     def _group_device(group: dict[str, Any]) -> torch.device:
@@ -260,6 +290,8 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             memo["names"] = _C.optim_state_names(self.algorithm, options)
             memo["options"] = options
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
+        if self.algorithm in _STORAGE_LIMITED:
+            self._check_state_bits(group)
         if dtype not in _PARAM_DTYPES:  # a parameter's dtype changed after construction (p.data = ...)
             if dtype.is_complex:
                 raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
@@ -278,7 +310,8 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         except (TypeError, RuntimeError):  # a state that is not a tensor, or one without storage: the full check
             key_ptrs = None                 # names it
         self._check_states_once(group, kind, params, states, names, tensors, key_ptrs, shapes)
-        return _core_call(param_ptrs, list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels)
+        return _core_call(param_ptrs, list(map(Tensor.data_ptr, grads)), key_ptrs, len(names), numels,
+                          len(self._schedule_names))
 
     def _check_states_once(self, group: dict[str, Any], kind: tuple[torch.device, torch.dtype, int],
                            params: list[Tensor], states: list[dict[str, Any]], names: list[str],
@@ -301,7 +334,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             return
         owner = type(self).__name__
         for p, state in zip(params, states):
-            _check_state_tensors(owner, p, state, names, kind[2], block_size)
+            _check_state_tensors(owner, p, state, names, kind[2], block_size, self._schedule_names)
         checked[kind] = (now, tensors)
 
     def _prepare_bucket(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -317,6 +350,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         # What _bits_of reads, read once per bucket.
         state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
+        schedule = self._schedule_names
         for p, g in pairs:
             if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device) or (
                     type(g) is not Tensor and unreadable_reason(g) is not None):
@@ -332,7 +366,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             numel = p.numel()
             bits = _storage_bits(state_bits, min_8bit_size, numel)
             state = all_states[p]
-            if not _in_step_form(state, names, bits, block_size):
+            if not _in_step_form(state, names, bits, block_size, schedule):
                 state = self._state_of(group, p, names, bits)
             kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(bits, ([], [], [], []))
             kind_params.append(p)
@@ -341,7 +375,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             kind_numels.append(numel)
         calls = {}
         for bits, (kind_params, kind_grads, kind_states, kind_numels) in kinds.items():
-            tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, bits)]
+            tensors = [list(map(itemgetter(key), kind_states)) for key in _state_keys(names, bits, schedule)]
             calls[bits] = self._kind_call(group, (device, dtype, bits), kind_params, kind_grads, kind_states,
                                           names, tensors, kind_numels, list(map(Tensor.data_ptr, kind_params)),
                                           list(map(_shape_of, kind_params)))
@@ -350,8 +384,8 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
     def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
                 calls: dict[int, tuple], contiguous_copies: list[Tensor]) -> Callable[[], None]:
         """The function that issues a bucket's core calls ({state bits: (param, grad, state, absmax and step
-        addresses, numels)}, the state and absmax addresses state by state), once every bucket of the step has
-        been checked."""
+        addresses, numels, schedule addresses)}, the state, absmax and schedule addresses value by value), once
+        every bucket of the step has been checked."""
         lr = group["lr"]
         # The core reads one float32 at lr's address: a float set by hand, or a tensor of another dtype or
         # device, becomes a 0-d float32 tensor on the device again (eager steps only; a captured step, and
@@ -368,7 +402,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             for bits, call in calls.items():
                 if not call[0]:
                     continue
-                param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels = call
+                param_ptrs, grad_ptrs, state_ptrs, absmax_ptrs, step_ptrs, numels, schedule_ptrs = call
                 workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
                                    if self.algorithm in _NEEDS_WORKSPACE else 0)
                 workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
@@ -379,7 +413,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
                     numels=numels, workspace=workspace.data_ptr() if workspace is not None else 0,
                     workspace_bytes=workspace_bytes,
                     increment_steps=True,  # the core counts every step (on CUDA, see _finish_counter)
-                    state_bits=bits, block_size=block_size, finish_counter=finish_counter)
+                    state_bits=bits, block_size=block_size, finish_counter=finish_counter, schedule=schedule_ptrs)
             # The gradients' contiguous copies were read through raw addresses: this reference keeps them alive
             # until here (a closure holds only the names it uses).
             contiguous_copies.clear()
@@ -413,9 +447,11 @@ GraphsafeOptimizer.step.__signature__ = inspect.signature(GraphsafeOptimizer._un
 
 
 def _core_call(param_ptrs: list[int], grad_ptrs: list[int], key_ptrs: list[list[int]], state_count: int,
-               numels: list[int]) -> tuple:
+               numels: list[int], schedule_count: int) -> tuple:
     """One core call's addresses and sizes, as _issuer passes them: key_ptrs holds per _state_keys entry the
-    addresses over the tensors (states, then 8-bit absmax, then steps); the core takes the states and absmax
-    flat, state by state (state j of tensor t at j * count + t)."""
+    addresses over the tensors (states, then 8-bit absmax, then schedule values, then steps); the core takes the
+    states, absmax and schedule values flat, value by value (state j of tensor t at j * count + t)."""
+    schedule_start = len(key_ptrs) - 1 - schedule_count
     return (param_ptrs, grad_ptrs, list(chain.from_iterable(key_ptrs[:state_count])),
-            list(chain.from_iterable(key_ptrs[state_count:-1])), list(key_ptrs[-1]), numels)
+            list(chain.from_iterable(key_ptrs[state_count:schedule_start])), list(key_ptrs[-1]), numels,
+            list(chain.from_iterable(key_ptrs[schedule_start:-1])))

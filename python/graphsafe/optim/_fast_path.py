@@ -131,13 +131,14 @@ class _FastPath:
         convert). param_ptrs, shapes and states: the parameters' addresses, shapes and state dicts, as read
         already."""
         options, names = self._bucket_options(group, dtype)  # raises as the general path would
-        if set(map(len, states)) != {_state_entry_count(names, bits)}:
+        schedule = self._schedule_names
+        if set(map(len, states)) != {_state_entry_count(names, bits, schedule)}:
             return None
         try:
             if bits == 8 and set(map(_block_size_of, states)) != {group["block_size"]}:
                 return None
             # key by key (states, absmax, steps), as the core takes them
-            tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, bits)]
+            tensors = [list(map(itemgetter(key), states)) for key in _state_keys(names, bits, schedule)]
             # At every step, not only where the state check runs: `.data = t.data.view(another dtype)` keeps a
             # state's object and address, which is all that check's cache compares.
             if bits != 8 and set(map(_dtype_of, chain.from_iterable(tensors[:len(names)]))) - {_UNQUANTIZED_STATE_DTYPES[bits]}:

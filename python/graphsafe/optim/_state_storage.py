@@ -2,7 +2,8 @@
 
 Each state is kept in one of three forms, chosen per parameter from its group's state_bits and min_8bit_size:
 fp32 (32), bf16 (16), or 8-bit blockwise codes with one fp32 absmax per block and the 256-value map the codes
-index (8). The core writes states through their raw addresses, so a state must be exactly in its form (dtype,
+index (8). Beside them a parameter's state holds its step count (a 0-d fp32 tensor) and, for an algorithm with a
+schedule (the table's per-tensor values, include/graphsafe/optim_algorithms.h), each schedule value (0-d float64). The core writes states through their raw addresses, so a state must be exactly in its form (dtype,
 shape, device, contiguous) before a step passes it; _StateStorage._state_of makes or converts it, and
 _check_state_tensors refuses one replaced by hand in another form. The optimizer's state mapping itself is a
 _StateMap, which counts its changes so that the cached at-once path knows when to look states up again.
@@ -100,31 +101,34 @@ _UNQUANTIZED_STATE_DTYPES = {32: torch.float32, 16: torch.bfloat16}
 _OTHER_UNQUANTIZED = {32: torch.bfloat16, 16: torch.float32}
 
 
-def _state_keys(names: list[str], bits: int) -> list[str]:
+def _state_keys(names: list[str], bits: int, schedule: tuple[str, ...] = ()) -> list[str]:
     """The state entries the core writes through raw addresses: per name the state (fp32, bf16) or the 8-bit
-    codes, the 8-bit absmax, and the step."""
-    return names + ([f"{n}_absmax" for n in names] if bits == 8 else []) + ["step"]
+    codes, the 8-bit absmax, the schedule values, and the step."""
+    return names + ([f"{n}_absmax" for n in names] if bits == 8 else []) + list(schedule) + ["step"]
 
 
-def _state_entry_count(names: list[str], bits: int) -> int:
-    """How many entries a parameter's state holds in the form `bits` needs: step (+ block_size for 8 bits), and
-    per name the state (+ its absmax and map for 8 bits)."""
-    return 3 * len(names) + 2 if bits == 8 else len(names) + 1
+def _state_entry_count(names: list[str], bits: int, schedule: tuple[str, ...] = ()) -> int:
+    """How many entries a parameter's state holds in the form `bits` needs: step (+ block_size for 8 bits), the
+    schedule values, and per name the state (+ its absmax and map for 8 bits)."""
+    return (3 * len(names) + 2 if bits == 8 else len(names) + 1) + len(schedule)
 
 
-def _in_step_form(state: dict[str, Any], names: list[str], bits: int, block_size: int) -> bool:
+def _in_step_form(state: dict[str, Any], names: list[str], bits: int, block_size: int,
+                  schedule: tuple[str, ...] = ()) -> bool:
     """Whether a parameter's state holds the entries a step with this storage reads, or must be made or converted
     first (_state_of): missing, another storage (8-bit entries or block size, or the other unquantised dtype:
     state_bits changed between 32 and 16). Entries of the right names in any other form are the state check's
     to reject (_check_state_tensors)."""
-    if len(state) != _state_entry_count(names, bits) or not all(key in state for key in _state_keys(names, bits)):
+    if len(state) != _state_entry_count(names, bits, schedule) or not all(
+            key in state for key in _state_keys(names, bits, schedule)):
         return False
     if bits == 8:
         return state.get("block_size") == block_size
     return not any(getattr(state[name], "dtype", None) is _OTHER_UNQUANTIZED[bits] for name in names)
 
 
-def _state_forms(p: Tensor, names: list[str], bits: int, block_size: int) -> list[tuple[str, torch.dtype, tuple]]:
+def _state_forms(p: Tensor, names: list[str], bits: int, block_size: int,
+                 schedule: tuple[str, ...] = ()) -> list[tuple[str, torch.dtype, tuple]]:
     """Each state entry the core writes through its raw address (_state_keys' order) with the form the kernels
     read it in: (key, dtype, shape), contiguous on p's device."""
     blocks = (p.numel() + block_size - 1) // block_size
@@ -132,11 +136,13 @@ def _state_forms(p: Tensor, names: list[str], bits: int, block_size: int) -> lis
     def form(key: str) -> tuple[torch.dtype, tuple]:
         if key == "step":
             return torch.float32, ()
+        if key in schedule:
+            return torch.float64, ()
         if key in names:
             return (torch.uint8 if bits == 8 else _UNQUANTIZED_STATE_DTYPES[bits]), tuple(p.shape)
         return torch.float32, (blocks,)  # an 8-bit state's absmax
 
-    return [(key, *form(key)) for key in _state_keys(names, bits)]
+    return [(key, *form(key)) for key in _state_keys(names, bits, schedule)]
 
 
 def _has_form(t: Any, dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
@@ -145,29 +151,30 @@ def _has_form(t: Any, dtype: torch.dtype, shape: tuple, device: torch.device) ->
         and tuple(t.shape) == shape and t.device == device and t.is_contiguous()
 
 
-def _check_loaded_step(owner: str, step: Any) -> None:
-    """ValueError/TypeError unless a loaded step count is a number or a one-element real tensor, finite and >= 0."""
+def _check_loaded_number(owner: str, step: Any, key: str = "step") -> None:
+    """ValueError/TypeError unless a loaded step count (or schedule value, `key`) is a number or a one-element real
+    tensor, finite and >= 0."""
     if isinstance(step, Tensor):
-        require_readable(owner, "the saved state 'step'", step)
+        require_readable(owner, f"the saved state '{key}'", step)
         if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
-            raise ValueError(f"{owner}: the saved state 'step' must be a number or a one-element real tensor, got a "
+            raise ValueError(f"{owner}: the saved state '{key}' must be a number or a one-element real tensor, got a "
                              f"{dtype_name(step.dtype)} tensor of shape {tuple(step.shape)}")
         value = float(step.detach().to("cpu", torch.float64))
     elif isinstance(step, (int, float)) and not isinstance(step, bool):
         value = float(step)
     else:
-        raise TypeError(f"{owner}: the saved state 'step' must be a number or a one-element tensor, got "
+        raise TypeError(f"{owner}: the saved state '{key}' must be a number or a one-element tensor, got "
                         f"{type(step).__name__} {step!r}")
     if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"{owner}: the saved state 'step' must be finite and >= 0, got {value}")
+        raise ValueError(f"{owner}: the saved state '{key}' must be finite and >= 0, got {value}")
 
 
 def _check_state_tensors(owner: str, p: Tensor, state: dict[str, Any], names: list[str], bits: int,
-                         block_size: int) -> None:
+                         block_size: int, schedule: tuple[str, ...] = ()) -> None:
     """Raises ValueError unless every state tensor the core writes through its raw address has the form the
     kernels read: a state replaced by hand with another dtype, size or device would be read and written out
     of bounds (load_state_dict converts any form; _state_of makes these)."""
-    for key, dtype, shape in _state_forms(p, names, bits, block_size):
+    for key, dtype, shape in _state_forms(p, names, bits, block_size, schedule):
         t = state[key]
         if not _has_form(t, dtype, shape, p.device):
             got = unreadable_reason(t) or (
@@ -219,7 +226,7 @@ def _state_as_fp32(state: dict[str, Any], name: str, p: Tensor, where: str) -> T
 
 class _StateStorage:
     """GraphsafeOptimizer's part that makes each parameter's state in the form its step needs. Reads the
-    optimizer's state, algorithm, _core_options, _initial_state_value and _step_of_loaded_state."""
+    optimizer's state, algorithm, _schedule_names, _core_options, _initial_state and _step_of_loaded_state."""
 
     def _bits_of(self, group: dict[str, Any], p: Tensor) -> int:
         """How p's states are stored (32, 16 or 8 bits; _storage_bits)."""
@@ -232,18 +239,28 @@ class _StateStorage:
 
         fp32 form (bits 32): 'step' and one fp32 tensor per name; bf16 form (16): the same in bf16. 8-bit form:
         'step', 'block_size' and per name the codes (uint8, p's shape), '<name>_absmax' (fp32, one per block)
-        and '<name>_qmap' (the 256-value map the codes index). A state an option turns on later (e.g. SGD momentum set after the first step)
-        starts from its initial value (zeros; torch's SGD would start the buffer as a copy of the gradient,
-        which differs only when dampening != 0). A loaded state (loading=True) that lacks one of its
-        algorithm's states is an incomplete checkpoint: ValueError, instead of a silent restart from zeros."""
+        and '<name>_qmap' (the 256-value map the codes index). Every form: the schedule values, 0-d float64
+        tensors (0 on the first step). A state an option turns on later (e.g. SGD momentum set after the first
+        step) starts from its initial value (_initial_state; torch's SGD would start the buffer as a copy of the
+        gradient, which differs only when dampening != 0). A loaded state (loading=True) that lacks one of its
+        algorithm's states or schedule values is an incomplete checkpoint: ValueError, instead of a silent
+        restart."""
         state = self.state[p]
+        owner = f"{type(self).__name__}.load_state_dict"
         if loading:
             if "step" not in state:
                 state["step"] = self._step_of_loaded_state(state)
-            _check_loaded_step(f"{type(self).__name__}.load_state_dict", state["step"])
-        step = state.get("step", 0.0)
-        if not _has_form(step, torch.float32, (), p.device):
-            state["step"] = torch.as_tensor(step, dtype=torch.float32).detach().to(p.device).reshape(()).clone()
+            _check_loaded_number(owner, state["step"])
+            for key in self._schedule_names:
+                if key not in state:
+                    raise ValueError(f"{owner}: the saved state of a parameter of shape {tuple(p.shape)} has no "
+                                     f"'{key}' (it has {sorted(state)}); {type(self).__name__} keeps "
+                                     f"{list(self._schedule_names)} beside its states")
+                _check_loaded_number(owner, state[key], key)
+        for key, dtype in (("step", torch.float32),) + tuple((key, torch.float64) for key in self._schedule_names):
+            value = state.get(key, 0.0)
+            if not _has_form(value, dtype, (), p.device):
+                state[key] = torch.as_tensor(value, dtype=dtype).detach().to(p.device).reshape(()).clone()
         block_size = group["block_size"]
         options = self._core_options(group)
         updates: dict[str, dict[str, Tensor]] = {}
@@ -253,7 +270,7 @@ class _StateStorage:
             if (_holds_8bit(state, name, p, block_size, signed) if bits == 8
                     else _has_form(state.get(name), unquantized, tuple(p.shape), p.device)):
                 continue  # kept as it is (its raw bits, NaN payloads included)
-            where = f"{type(self).__name__}.load_state_dict" if loading else f"{type(self).__name__} step"
+            where = owner if loading else f"{type(self).__name__} step"
             value = _state_as_fp32(state, name, p, where)
             if value is None:
                 if loading:
@@ -261,7 +278,7 @@ class _StateStorage:
                         f"{type(self).__name__}.load_state_dict: the saved state of a parameter of shape {tuple(p.shape)} "
                         f"has no '{name}' (it has {sorted(state)}); {type(self).__name__} with the saved options keeps "
                         f"{names}")
-                value = torch.full_like(p, self._initial_state_value(group, name), dtype=torch.float32)
+                value = self._initial_state(group, p, name)
             if bits == 8:
                 codes, absmax = ops.quantize_blockwise(value, block_size, signed)
                 updates[name] = {name: codes, f"{name}_absmax": absmax,

@@ -1,6 +1,6 @@
-"""The nine optimizers. Adam, AdamW, SGD, RMSprop and Adagrad take the numerical options of their
-torch.optim namesakes and give the same numbers; Lion, LAMB, LARS and AdEMAMix follow their papers
-(docs/optim.md has every formula). All add skip_zeros, state_bits, block_size and min_8bit_size.
+"""The optimizers. Adam, AdamW, SGD, RMSprop and Adagrad take the numerical options of their torch.optim
+namesakes and give the same numbers; Lion, LAMB, LARS and AdEMAMix follow their papers (docs/optim.md has every
+formula). All add skip_zeros, state_bits, block_size and min_8bit_size.
 """
 
 from __future__ import annotations
@@ -241,4 +241,5 @@ class AdEMAMix(GraphsafeOptimizer):
         return dict(beta1=float(beta1), beta2=float(beta2), beta3=float(beta3), mix_alpha=float(group["alpha"]),
                     alpha_warmup=float(group["t_alpha"] or 0), beta3_warmup=float(group["t_beta3"] or 0),
                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
+
 

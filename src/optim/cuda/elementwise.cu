@@ -21,12 +21,12 @@ using namespace optim_detail;
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(ElementwisePolicy::kThreads, ElementwisePolicy::kMinBlocksPerSM)
     elementwise_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table, int64_t total_blocks,
-                       int /*block_size: 8-bit states only*/) {
+                       int /*block_size: 8-bit states only*/, const double* schedule_weights) {
   if (!learning_rate_usable(lr, *lr.value)) return;
   __shared__ Coefficients k;
   int current = -1;
   GS_FOR_EACH_CHUNK(table, total_blocks, w) {
-    share_coefficients(o, lr.value, table, w.tensor, current, k);
+    share_coefficients(o, lr.value, table, w.tensor, current, k, schedule_weights);
     for_each_element<T, StateType<Bits>, States>(table, w, [&](float g, float& p, float* s) {
       if (skipped(o, g)) return false;
       elementwise_step(o, k, g, p, s);
@@ -37,13 +37,15 @@ __global__ void __launch_bounds__(ElementwisePolicy::kThreads, ElementwisePolicy
 }
 
 template <class T, int States, int Bits>
-void launch_tables(const OptimStepArgs& a, const OptimTensor* tensors, int count, cudaStream_t stream) {
+void launch_tables(const OptimStepArgs& a, const OptimTensor* tensors, int count, const double* schedule_weights,
+                   cudaStream_t stream) {
   const OptimOptions& o = a.options;
   const LearningRate lr = learning_rate(a);
   const int b = a.block_size;
   for_each_table<States, Bits>(a, tensors, count, [&](const TensorTable<States, Bits>& table, int64_t blocks) {
     constexpr auto kernel = &elementwise_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
-    GS_LAUNCH(kernel, grid_for(kernel, blocks), ElementwisePolicy::kThreads, stream, o, lr, table, blocks, b);
+    GS_LAUNCH(kernel, grid_for(kernel, blocks), ElementwisePolicy::kThreads, stream, o, lr, table, blocks, b,
+              schedule_weights);
     GS_CUDA_CHECK_LAUNCH();
   });
 }
@@ -51,13 +53,13 @@ void launch_tables(const OptimStepArgs& a, const OptimTensor* tensors, int count
 }  // namespace
 
 void optim_detail::launch_elementwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count,
-                                           cudaStream_t stream) {
+                                           const double* schedule_weights, cudaStream_t stream) {
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     with_state_count(a.options, [&](auto states) {
       constexpr int States = decltype(states)::value;
-      if (a.state_bits == 16) launch_tables<T, States, 16>(a, tensors, count, stream);
-      else launch_tables<T, States, 32>(a, tensors, count, stream);
+      if (a.state_bits == 16) launch_tables<T, States, 16>(a, tensors, count, schedule_weights, stream);
+      else launch_tables<T, States, 32>(a, tensors, count, schedule_weights, stream);
     });
   });
 }

@@ -1,5 +1,5 @@
-// The CUDA optimizer backend's entry points (graphsafe/optim.h): the step (its checks, the steps counted ahead of
-// the updates, then the kernel family of its algorithm and state width: launchers.h) and the standalone 8-bit
+// The CUDA optimizer backend's entry points (graphsafe/optim.h): the step (its checks, the steps counted and the
+// schedules advanced ahead of the updates, then the kernel family of its algorithm and state width: launchers.h) and the standalone 8-bit
 // quantisation and dequantisation.
 #include <algorithm>
 #include <cstddef>
@@ -49,6 +49,46 @@ void increment_steps(const std::vector<float*>& steps, const LearningRate& lr, c
   }
 }
 
+// An algorithm with a schedule: ahead of the updates, each tensor's step counted (with increment_steps) and its
+// schedule advanced for that step number, the result the update reads (advance_schedule) written to
+// weights[first + i], kMaxSchedules tensors per launch.
+struct ScheduleTable {
+  int count, first;
+  float* step[UtilityPolicy::kMaxSchedules];
+  double* values[kMaxScheduleValues][UtilityPolicy::kMaxSchedules];
+};
+static_assert(sizeof(ScheduleTable) + sizeof(OptimOptions) + sizeof(LearningRate) + 16 < 4000,
+              "kernel arguments stay under 4 KB");
+
+__global__ void advance_schedules_kernel(OptimOptions o, LearningRate lr, ScheduleTable table, bool increment,
+                                         double* weights) {
+  const float rate = *lr.value;
+  if (!learning_rate_usable(lr, rate)) return;
+  const int size = schedule_size(o.algorithm);
+  for (int i = threadIdx.x; i < table.count; i += blockDim.x) {
+    if (increment) *table.step[i] += 1.0f;
+    double* values[kMaxScheduleValues] = {};
+    for (int j = 0; j < size; ++j) values[j] = table.values[j][i];
+    weights[table.first + i] = advance_schedule_at(o, rate, *table.step[i], values, size);
+  }
+}
+
+void advance_schedules(const OptimStepArgs& a, const OptimTensor* tensors, int count, double* weights,
+                       cudaStream_t stream) {
+  for (int first = 0; first < count; first += UtilityPolicy::kMaxSchedules) {
+    ScheduleTable table{};
+    table.count = std::min(UtilityPolicy::kMaxSchedules, count - first);
+    table.first = first;
+    for (int i = 0; i < table.count; ++i) {
+      table.step[i] = tensors[first + i].step;
+      for (int j = 0; j < kMaxScheduleValues; ++j) table.values[j][i] = tensors[first + i].schedule[j];
+    }
+    GS_LAUNCH(advance_schedules_kernel, 1, kThreads, stream, a.options, learning_rate(a), table, a.increment_steps,
+              weights);
+    GS_CUDA_CHECK_LAUNCH();
+  }
+}
+
 // Standalone quantisation (state_dict conversions, graphsafe.ops): one thread per quantisation block, the
 // CPU's quantize_block (the same rules as the fused step).
 __global__ void quantize_kernel(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
@@ -73,7 +113,11 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
   const LayerwiseLayout layout = check_workspace(Backend::Cuda, a, tensors, count, workspace, workspace_bytes);
   auto* ws = static_cast<float*>(workspace);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (a.increment_steps) {  // the steps the update kernels do not count: all of them, or the empty tensors'
+  double* schedule_weights = nullptr;  // an algorithm with a schedule: one per tensor, in the workspace
+  if (optim_schedule_size(a.options.algorithm) > 0) {
+    schedule_weights = static_cast<double*>(workspace);
+    advance_schedules(a, tensors, count, schedule_weights, s);  // counts the steps too
+  } else if (a.increment_steps) {  // the steps the update kernels do not count: all of them, or the empty tensors'
     std::vector<float*> ahead;
     for (int t = 0; t < count; ++t)
       if (!update_counts_steps(a) || tensors[t].numel == 0) ahead.push_back(tensors[t].step);
@@ -84,7 +128,7 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
   } else if (a.state_bits == 8) {
     launch_quantized_elementwise_step(a, tensors, count, s);
   } else {
-    launch_elementwise_step(a, tensors, count, s);
+    launch_elementwise_step(a, tensors, count, schedule_weights, s);
   }
 }
 

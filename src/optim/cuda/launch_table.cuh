@@ -6,7 +6,8 @@
 // captured graph keeps them, and no metadata is copied to the device). As many blocks as the GPU holds at once
 // take chunks of kChunkElements elements in turn. lr and each tensor's step are read from device memory inside
 // the kernel; with increment_steps and a finish counter the element-wise update's last block adds 1 to every
-// step (finish_steps), otherwise one small launch ahead of the updates does (step.cu). A NaN or negative lr
+// step (finish_steps), otherwise one small launch ahead of the updates does (entry_points.cu), which also
+// advances the schedules of an algorithm that has them. A NaN or negative lr
 // makes every kernel write nothing and report it (learning_rate_usable).
 #pragma once
 
@@ -109,12 +110,16 @@ __device__ bool learning_rate_usable(const LearningRate& lr, float rate) {
 
 // Blocks loop over chunks (the grid is capped at what the GPU holds at once), so the coefficients, which
 // take double-precision powers, are formed once per tensor per block: by one thread, into shared memory.
+// schedule_weights: an algorithm with a schedule, what the launch ahead advanced for each tensor of the step
+// (advance_schedule), by factor_index; null otherwise.
 template <class Table>
 __device__ void share_coefficients(const OptimOptions& o, const float* lr, const Table& table, int t,
-                                   int& current, Coefficients& shared) {
+                                   int& current, Coefficients& shared, const double* schedule_weights = nullptr) {
   if (t == current) return;
   __syncthreads();  // everyone is done with the previous tensor's coefficients
-  if (threadIdx.x == 0) shared = coefficients(o, *lr, step_number(table, t));
+  if (threadIdx.x == 0)
+    shared = coefficients(o, *lr, step_number(table, t),
+                          schedule_weights != nullptr ? schedule_weights[table.factor_index[t]] : 0.0);
   __syncthreads();
   current = t;
 }
@@ -148,10 +153,12 @@ __device__ void finish_steps(const Table& table) {
 // ---- host side ----
 
 // Whether the update kernels count the steps (finish_steps) instead of a launch of their own ahead: with a
-// finish counter, for the element-wise algorithms. LAMB and LARS, three launches a step already, keep the
-// launch ahead: finish_steps at the end of their update kernel made the fp32 LAMB kernel spill and run slower.
+// finish counter, for the element-wise algorithms without a schedule. LAMB and LARS, three launches a step
+// already, keep the launch ahead: finish_steps at the end of their update kernel made the fp32 LAMB kernel spill
+// and run slower. An algorithm with a schedule has a launch ahead anyway (advancing it), which counts the steps.
 bool update_counts_steps(const OptimStepArgs& a) {
-  return a.increment_steps && a.finish_counter != nullptr && !is_layerwise(a.options.algorithm);
+  return a.increment_steps && a.finish_counter != nullptr && !is_layerwise(a.options.algorithm) &&
+         optim_schedule_size(a.options.algorithm) == 0;
 }
 
 // Blocks one launch of `kernel` uses: all chunks, or as many blocks as the GPU holds at once if fewer.

@@ -10,8 +10,10 @@
 
 namespace graphsafe::optim_detail {
 
-// elementwise.cu: the element-wise algorithms with fp32 or bf16 states (state_bits 32 or 16).
-void launch_elementwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count, cudaStream_t stream);
+// elementwise.cu: the element-wise algorithms with fp32 or bf16 states (state_bits 32 or 16). schedule_weights:
+// for an algorithm with a schedule, each tensor's advance_schedule result (written by the launch ahead), else null.
+void launch_elementwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count,
+                             const double* schedule_weights, cudaStream_t stream);
 
 // quantized_elementwise.cu: the element-wise algorithms with 8-bit states.
 void launch_quantized_elementwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count,

@@ -88,11 +88,13 @@ struct LayerwisePolicy {
   }
 };
 
-// The small kernels of step.cu: counting steps ahead of the updates (kMaxSteps per launch, so that the table
-// stays under 4 KB of arguments) and standalone quantisation (one thread per quantisation block or element).
+// The small kernels of entry_points.cu: counting steps and advancing schedules ahead of the updates (kMaxSteps
+// and kMaxSchedules tensors per launch, so that the tables stay under 4 KB of arguments) and standalone
+// quantisation (one thread per quantisation block or element).
 struct UtilityPolicy {
   static constexpr int kThreads = 256;
   static constexpr int kMaxSteps = 480;
+  static constexpr int kMaxSchedules = 128;
 };
 
 }  // namespace

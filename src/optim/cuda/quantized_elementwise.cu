@@ -96,16 +96,18 @@ void launch_tables(const OptimStepArgs& a, const OptimTensor* tensors, int count
   for_each_table<States, 8>(a, tensors, count, [&](const TensorTable<States, 8>& table, int64_t blocks) {
     with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
       constexpr OptimAlgorithm A = decltype(algorithm)::value;
-      auto launch = [&](auto kernel, int threads) {
-        GS_LAUNCH(kernel, grid_for(kernel, blocks, threads), threads, stream, o, lr, table, blocks, b);
-      };
-      constexpr int kFast = QuantizedElementwisePolicy<FastMath>::kThreads;
-      constexpr int kExact = QuantizedElementwisePolicy<ExactMath>::kThreads;
-      if constexpr (takes_roots(A)) {
-        if (fast_math_applies(o)) launch(&quantized_elementwise_kernel<T, States, A, FastMath>, kFast);
-        else launch(&quantized_elementwise_kernel<T, States, A, ExactMath>, kExact);
-      } else {
-        launch(&quantized_elementwise_kernel<T, States, A, ExactMath>, kExact);  // no roots or quotients to choose for
+      if constexpr (quantizable(A)) {  // (the others' 8-bit steps are refused by check_step_args: no kernel)
+        auto launch = [&](auto kernel, int threads) {
+          GS_LAUNCH(kernel, grid_for(kernel, blocks, threads), threads, stream, o, lr, table, blocks, b);
+        };
+        constexpr int kFast = QuantizedElementwisePolicy<FastMath>::kThreads;
+        constexpr int kExact = QuantizedElementwisePolicy<ExactMath>::kThreads;
+        if constexpr (takes_roots(A)) {
+          if (fast_math_applies(o)) launch(&quantized_elementwise_kernel<T, States, A, FastMath>, kFast);
+          else launch(&quantized_elementwise_kernel<T, States, A, ExactMath>, kExact);
+        } else {
+          launch(&quantized_elementwise_kernel<T, States, A, ExactMath>, kExact);  // no roots or quotients to choose for
+        }
       }
     });
     GS_CUDA_CHECK_LAUNCH();
