@@ -44,6 +44,9 @@ struct OptimOptions {
   double alpha_warmup = 0.0;   // AdEMAMix T_alpha (0: no warm-up)
   double beta3_warmup = 0.0;   // AdEMAMix T_beta3 (0: no warm-up)
   double trust_coefficient = 0.001;  // LARS eta
+  double warmup_steps = 0.0;   // Schedule-Free AdamW: linear lr warm-up length (0: none)
+  double r = 0.0;              // Schedule-Free AdamW: the average's weights grow as step^r
+  double weight_lr_power = 2.0;  // Schedule-Free AdamW: ... and as lr_max^weight_lr_power
   bool amsgrad = false;        // Adam/AdamW
   bool maximize = false;
   bool nesterov = false;       // SGD
@@ -119,6 +122,9 @@ inline constexpr OptimOptionField kOptimOptionFields[] = {
     {"alpha_warmup", "t_alpha", &OptimOptions::alpha_warmup, nullptr, OptionRange::NonNegative},
     {"beta3_warmup", "t_beta3", &OptimOptions::beta3_warmup, nullptr, OptionRange::NonNegative},
     {"trust_coefficient", "trust_coefficient", &OptimOptions::trust_coefficient, nullptr, OptionRange::Positive},
+    {"warmup_steps", "warmup_steps", &OptimOptions::warmup_steps, nullptr, OptionRange::NonNegative},
+    {"r", "r", &OptimOptions::r, nullptr, OptionRange::Finite},
+    {"weight_lr_power", "weight_lr_power", &OptimOptions::weight_lr_power, nullptr, OptionRange::NonNegative},
     {"amsgrad", "amsgrad", nullptr, &OptimOptions::amsgrad, OptionRange::Flag},
     {"maximize", "maximize", nullptr, &OptimOptions::maximize, OptionRange::Flag},
     {"nesterov", "nesterov", nullptr, &OptimOptions::nesterov, OptionRange::Flag},

@@ -17,7 +17,7 @@
 namespace graphsafe {
 
 // In table order (kOptimAlgorithms[i].algorithm is enumerator i).
-enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix };
+enum class OptimAlgorithm : int32_t { Adam, AdamW, SGD, RMSprop, Adagrad, Lion, LAMB, LARS, AdEMAMix, AdamWScheduleFree };
 
 // How a state starts, on a parameter's first step: zeros, or a copy of the parameter (an iterate the
 // algorithm keeps beside the parameter).
@@ -82,6 +82,12 @@ inline constexpr OptimAlgorithmSpec kOptimAlgorithms[] = {
     {OptimAlgorithm::AdEMAMix, "ademamix", false,
      {"beta1", "beta2", "beta3", "mix_alpha", "alpha_warmup", "beta3_warmup", "eps", "weight_decay"},
      {{"exp_avg", true}, {"exp_avg_slow", true}, {"exp_avg_sq", false}}},
+    // z is an iterate of the parameter's scale, moved by lr-sized steps each step: 8-bit codes (a relative
+    // error of about 1% of the block's largest value) would round those steps away.
+    {OptimAlgorithm::AdamWScheduleFree, "adamw_schedulefree", false,
+     {"beta1", "beta2", "eps", "weight_decay", "warmup_steps", "r", "weight_lr_power"},
+     {{"z", true, StatePresence::Always, kStorage32 | kStorage16, StateInit::Param}, {"exp_avg_sq", false}},
+     {"weight_sum", "lr_max"}},
 };
 
 inline constexpr int kOptimAlgorithmCount = static_cast<int>(sizeof(kOptimAlgorithms) / sizeof(kOptimAlgorithms[0]));

@@ -272,7 +272,8 @@ GS_HD bool state_is_signed(const OptimOptions& o, int j) {
   switch (o.algorithm) {
     case OptimAlgorithm::Adam:
     case OptimAlgorithm::AdamW:
-    case OptimAlgorithm::LAMB: return j == 0;            // exp_avg | exp_avg_sq, max_exp_avg_sq
+    case OptimAlgorithm::LAMB:
+    case OptimAlgorithm::AdamWScheduleFree: return j == 0;  // exp_avg (z) | exp_avg_sq, max_exp_avg_sq
     case OptimAlgorithm::RMSprop: return j > 0;          // square_avg | grad_avg, momentum_buffer
     case OptimAlgorithm::Adagrad: return false;          // sum
     case OptimAlgorithm::AdEMAMix: return j < 2;         // exp_avg, exp_avg_slow | exp_avg_sq

@@ -124,8 +124,18 @@ struct Coefficients {
   float neg_adagrad_lr;         // -lr / (1 + (step - 1) * lr_decay)
   float mix_alpha;              // AdEMAMix alpha after warm-up
   float beta3, one_minus_beta3; // AdEMAMix beta3 after warm-up
-  float schedule_weight;        // an algorithm with a schedule: what advance_schedule returned for the tensor
+  // An algorithm with a schedule (the table's per-tensor values, advance_schedule):
+  float schedule_weight;        // what advance_schedule returned for the tensor
+  float neg_scheduled_lr;       // -lr after warm-up (scheduled_lr)
+  float y_step;                 // Schedule-Free AdamW: scheduled lr * (beta1 * (1 - schedule_weight) - 1)
+  float bias_correction2;       // 1 - beta2^step
 };
+
+// The learning rate of step `step` after a linear warm-up over warmup_steps steps (Schedule-Free AdamW's, as
+// the schedulefree package forms it: lr * (step / warmup_steps) while step - 1 < warmup_steps).
+GS_HD double scheduled_lr(const OptimOptions& o, double lr, double step) {
+  return step - 1.0 < o.warmup_steps ? lr * (step / o.warmup_steps) : lr;
+}
 
 // schedule_weight: the tensor's value from advance_schedule (0 for an algorithm without a schedule).
 GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float step_value, double schedule_weight = 0.0) {
@@ -166,16 +176,34 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
   }
   k.beta3 = static_cast<float>(beta3);
   k.one_minus_beta3 = static_cast<float>(1.0 - beta3);
+  const double lr_t = scheduled_lr(o, lr, step);
   k.schedule_weight = static_cast<float>(schedule_weight);
+  k.neg_scheduled_lr = static_cast<float>(-lr_t);
+  k.y_step = static_cast<float>(lr_t * (o.beta1 * (1.0 - schedule_weight) - 1.0));
+  k.bias_correction2 = static_cast<float>(bc2);
   return k;
 }
 
 // ---- Schedules: per-tensor float64 values (the table's `schedule`) advanced once per tensor and step, before
 // its update; the backends load them into v[], call advance_schedule and store them back. ----
 
+// Schedule-Free AdamW's weight of the running average x (the schedulefree package's AdamWScheduleFree, with the
+// group's sums kept per tensor): v[0] = weight_sum, v[1] = lr_max (0 before the first step, where the package
+// starts at -1: the same maximum, as lr >= 0). Returns c = weight / weight_sum, 0 while the sum is 0.
+GS_HD double schedule_free_advance(const OptimOptions& o, float lr, float step, double* v) {
+  const double lr_t = scheduled_lr(o, lr, step);
+  const double lr_max = v[1] < lr_t ? lr_t : v[1];
+  const double weight = pow_d(static_cast<double>(step), o.r) * pow_d(lr_max, o.weight_lr_power);
+  const double weight_sum = v[0] + weight;
+  v[0] = weight_sum;
+  v[1] = lr_max;
+  return weight_sum != 0.0 ? weight / weight_sum : 0.0;
+}
+
 // Advances the algorithm's schedule values for step number `step` (after its increment) and returns what its
 // rule reads as Coefficients::schedule_weight; 0, touching nothing, for an algorithm without a schedule.
-GS_HD double advance_schedule(const OptimOptions& /*o*/, float /*lr*/, float /*step*/, double* /*v*/) {
+GS_HD double advance_schedule(const OptimOptions& o, float lr, float step, double* v) {
+  if (o.algorithm == OptimAlgorithm::AdamWScheduleFree) return schedule_free_advance(o, lr, step, v);
   return 0.0;
 }
 
@@ -292,6 +320,23 @@ GS_HD void ademamix(const OptimOptions& o, const Coefficients& k, float g, float
   s[2] = v;
 }
 
+// Schedule-Free AdamW (Defazio et al. 2024, "The Road Less Scheduled"; the schedulefree package's
+// AdamWScheduleFree): the parameter holds y, where the gradient is taken; s[0] = z, the base iterate (it starts
+// as the parameter); s[1] = v, the second moment. x, the average the model is evaluated at, is not stored: the
+// optimizer's eval() and train() move the parameter between y and x (python/graphsafe/optim/algorithms.py).
+// c = k.schedule_weight. Weight decay is taken at y, as the package does.
+template <class Math>
+GS_HD void adamw_schedule_free(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+  if (o.maximize) g = -g;
+  const float v = Math::multiply_add(s[1], k.beta2, k.one_minus_beta2 * (g * g));
+  float u = Math::divide(g, Math::sqrt(v / k.bias_correction2) + k.eps);
+  if (o.weight_decay != 0.0) u = u + k.weight_decay * p;
+  const float z = s[0];
+  p = Math::add_product(lerp<Math>(p, z, k.schedule_weight), k.y_step, u);  // y = lerp(y, z, c) + y_step * u
+  s[0] = Math::add_product(z, k.neg_scheduled_lr, u);                       // z = z - lr * u
+  s[1] = v;
+}
+
 // One element of element-wise algorithm A. A is a template argument so that a kernel's element loop holds
 // one algorithm's arithmetic without branches between elements (the 8-bit kernels are instruction-bound).
 template <OptimAlgorithm A, class Math = ExactMath>
@@ -303,6 +348,7 @@ GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float 
   else if constexpr (A == OptimAlgorithm::Adagrad) adagrad<Math>(o, k, g, p, s);
   else if constexpr (A == OptimAlgorithm::Lion) lion(o, k, g, p, s);
   else if constexpr (A == OptimAlgorithm::AdEMAMix) ademamix<Math>(o, k, g, p, s);
+  else if constexpr (A == OptimAlgorithm::AdamWScheduleFree) adamw_schedule_free<Math>(o, k, g, p, s);
   else static_assert(A == OptimAlgorithm::AdEMAMix, "LAMB and LARS use the layer-wise rules below");
 }
 
@@ -311,10 +357,10 @@ GS_HD void elementwise_rule(const OptimOptions& o, const Coefficients& k, float 
 GS_HD constexpr bool is_layerwise(OptimAlgorithm a) { return a == OptimAlgorithm::LAMB || a == OptimAlgorithm::LARS; }
 
 // Whether every state of algorithm a may be stored in 8 bits (the CUDA backend builds 8-bit kernels only for these).
-GS_HD constexpr bool quantizable(OptimAlgorithm) { return true; }
+GS_HD constexpr bool quantizable(OptimAlgorithm a) { return a != OptimAlgorithm::AdamWScheduleFree; }
 
 // How many schedule values algorithm a keeps per tensor (advance_schedule).
-GS_HD constexpr int schedule_size(OptimAlgorithm) { return 0; }
+GS_HD constexpr int schedule_size(OptimAlgorithm a) { return a == OptimAlgorithm::AdamWScheduleFree ? 2 : 0; }
 
 // Whether element-wise algorithm a takes square roots and quotients (so that a Math choice changes its code).
 GS_HD constexpr bool takes_roots(OptimAlgorithm a) { return a != OptimAlgorithm::SGD && a != OptimAlgorithm::Lion; }
@@ -338,6 +384,7 @@ GS_HD void with_algorithm(OptimAlgorithm a, F&& f) {
     case A::LAMB: f(AlgorithmTag<A::LAMB>{}); break;
     case A::LARS: f(AlgorithmTag<A::LARS>{}); break;
     case A::AdEMAMix: f(AlgorithmTag<A::AdEMAMix>{}); break;
+    case A::AdamWScheduleFree: f(AlgorithmTag<A::AdamWScheduleFree>{}); break;
   }
 }
 
@@ -425,6 +472,7 @@ GS_HD constexpr bool can_keep_states(OptimAlgorithm a, int states) {
     case OptimAlgorithm::RMSprop: return states >= 1 && states <= 3;   // centered and momentum add one each
     case OptimAlgorithm::LAMB: return states == 2;
     case OptimAlgorithm::AdEMAMix: return states == 3;
+    case OptimAlgorithm::AdamWScheduleFree: return states == 2;
     default: return states == 1;                                       // Adagrad, Lion, LARS
   }
 }

@@ -25,7 +25,8 @@ namespace {
 
 const OptimAlgorithm kAll[] = {OptimAlgorithm::Adam,    OptimAlgorithm::AdamW,   OptimAlgorithm::SGD,
                                OptimAlgorithm::RMSprop, OptimAlgorithm::Adagrad, OptimAlgorithm::Lion,
-                               OptimAlgorithm::LAMB,    OptimAlgorithm::LARS,    OptimAlgorithm::AdEMAMix};
+                               OptimAlgorithm::LAMB,    OptimAlgorithm::LARS,    OptimAlgorithm::AdEMAMix,
+                               OptimAlgorithm::AdamWScheduleFree};
 static_assert(sizeof(kAll) / sizeof(kAll[0]) == kOptimAlgorithmCount, "kAll lists every algorithm of the table");
 
 OptimOptions options_for(OptimAlgorithm a, bool skip_zeros) {

@@ -280,6 +280,18 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class _ScheduleFreeInTrainMode(graphsafe.optim.AdamWScheduleFree):
+    """AdamWScheduleFree put in train mode at construction, as its users call train() before training (it starts
+    in eval mode, as the schedulefree package's does), so that the tests written for every algorithm step it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train()
+
+
+_ScheduleFreeInTrainMode.__name__ = _ScheduleFreeInTrainMode.__qualname__ = "AdamWScheduleFree"
+
+
 def optim_cases() -> dict[str, tuple[type, dict]]:
     """One representative configuration per algorithm (and per Adam weight-decay flavour), each with
     weight_decay > 0 and the options that create every state the algorithm can keep (amsgrad, momentum,
@@ -299,6 +311,7 @@ def optim_cases() -> dict[str, tuple[type, dict]]:
         "LAMB": (go.LAMB, dict(lr=0.02, weight_decay=0.1)),
         "LARS": (go.LARS, dict(lr=1.0, momentum=0.9, weight_decay=0.1, trust_coefficient=0.02)),
         "AdEMAMix": (go.AdEMAMix, dict(lr=0.02, weight_decay=0.1, t_alpha=6, t_beta3=6)),
+        "AdamWScheduleFree": (_ScheduleFreeInTrainMode, dict(lr=0.02, weight_decay=0.1, warmup_steps=3, r=0.5)),
     }
 
 
@@ -309,6 +322,31 @@ def make_optimizer(case: str, params, **extra):
     """The optimizer of optim_cases()[case] over params, with `extra` options added or overriding."""
     cls, kw = optim_cases()[case]
     return cls(params, **dict(kw, **extra))
+
+
+def per_tensor_keys(optimizer) -> frozenset[str]:
+    """The state entries an optimizer keeps per parameter rather than per element: 'step' and its algorithm's
+    schedule values (the table's, include/graphsafe/optim_algorithms.h: 0-d float64 tensors)."""
+    return frozenset({"step", *graphsafe._C.optim_algorithms()[optimizer.algorithm]["schedule"]})
+
+
+def initial_state(optimizer, name: str, param_before: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """What state `name` starts as on a parameter's first step, in fp32: a copy of the parameter as it was before
+    (the table's init "param") or filled with `value` (the algorithm's initial value, e.g. Adagrad's
+    initial_accumulator_value)."""
+    states = graphsafe._C.optim_algorithms()[optimizer.algorithm]["states"]
+    if next(s["init"] for s in states if s["name"] == name) == "param":
+        return param_before.detach().float().clone()
+    return torch.full_like(param_before, value, dtype=torch.float32)
+
+
+def skip_unless_storable(case: str, state_bits: int) -> None:
+    """Skips a test of optim_cases()[case] at state_bits whose algorithm cannot keep every state in that width
+    (the table's storage widths: AdamWScheduleFree's z is never 8-bit; its refusal is tested on its own)."""
+    algorithm = optim_cases()[case][0].algorithm
+    for state in graphsafe._C.optim_algorithms()[algorithm]["states"]:
+        if state_bits not in state["storage_bits"]:
+            pytest.skip(f"{case} keeps its state {state['name']} in {state['storage_bits']} bits only")
 
 
 def make_params(shapes, dtype: torch.dtype, generator: torch.Generator, device="cpu", offsets=None, scale=0.5):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import graphsafe.optim as go
-from conftest import OPTIM_CASE_NAMES, assert_bitwise_equal, make_generator, make_params, optim_cases, random_grad
+from conftest import skip_unless_storable, OPTIM_CASE_NAMES, assert_bitwise_equal, make_generator, make_params, optim_cases, random_grad
 
 CASES = optim_cases()
 
@@ -40,6 +40,7 @@ def _everything(opt, params):
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, -1e-30], ids=["nan", "-1", "tiny-negative"])
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
 def test_invalid_lr_in_the_lr_tensor_is_refused_and_changes_nothing(case, bad, state_bits):
+    skip_unless_storable(case, state_bits)
     opt, params = _stepped_once(case, state_bits, make_generator(60))
     before = _everything(opt, params)
     lr = opt.param_groups[0]["lr"]

@@ -10,6 +10,7 @@ import torch
 
 import graphsafe.optim as go
 from conftest import (
+    per_tensor_keys,
     assert_same_run,
     OPTIM_CASE_NAMES,
     assert_bitwise_equal,
@@ -27,7 +28,7 @@ from optim_property_helpers import SHAPES, run_steps
 # Number of fp32 state buffers each case keeps per parameter (include/graphsafe/optim.h), "step" aside.
 STATE_COUNTS = {
     "Adam": 3, "Adam-decoupled": 3, "AdamW": 3, "SGD": 1, "SGD-nesterov": 1, "RMSprop": 3, "Adagrad": 1,
-    "Lion": 1, "LAMB": 2, "LARS": 1, "AdEMAMix": 3,
+    "Lion": 1, "LAMB": 2, "LARS": 1, "AdEMAMix": 3, "AdamWScheduleFree": 2,
 }
 
 
@@ -46,8 +47,10 @@ def test_state_bytes(case, dtype):
     for p in params:
         p.grad = random_grad(p.shape, dtype, gen)
     opt.step()
-    # fp32 states whatever the parameter dtype, plus a 4-byte fp32 step counter per parameter
-    expected = sum(4 * (STATE_COUNTS[case] * p.numel() + 1) for p in params)
+    # fp32 states whatever the parameter dtype, plus a 4-byte fp32 step counter and an 8-byte float64 per schedule
+    # value per parameter
+    schedule = len(per_tensor_keys(opt)) - 1
+    expected = sum(4 * (STATE_COUNTS[case] * p.numel() + 1) + 8 * schedule for p in params)
     assert go.state_bytes(opt) == expected
     assert expected == sum(v.numel() * v.element_size() for p in params for v in state_tensors(opt, p).values())
 

@@ -10,6 +10,7 @@ import torch
 
 import graphsafe.optim as go
 from conftest import (
+    skip_unless_storable,
     assert_same_run,
     OPTIM_CASE_NAMES,
     clone_params,
@@ -92,6 +93,7 @@ def test_at_once_gathering_gives_the_per_parameter_paths_bits(case, state_bits, 
     per-parameter path (_prepare_bucket) issues: the same bits over steps where states are created, a
     parameter has no gradient, and one gets its first; and it serves the steps it is meant for (states all
     there, in the form this step needs), leaving the others to the per-parameter path."""
+    skip_unless_storable(case, state_bits)
     gen = make_generator(46)
     shapes = [(37,), (16, 33), (0,), (), (300,)]
     params = make_params(shapes, torch.float32, gen)

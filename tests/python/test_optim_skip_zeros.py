@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import (
+    initial_state,
+    per_tensor_keys,
     assert_same_run,
     snapshot_states,
     OPTIM_CASE_NAMES,
@@ -69,11 +71,12 @@ def test_skip_zeros_keeps_zero_grad_elements_bit_identical(case, dtype):
             states = state_tensors(opt, p)
             assert set(states) - {"step"}, f"{what}: no states"
             for k, v in states.items():
-                if k == "step":
-                    assert float(v) == step + 1  # the step counts per tensor, skipped elements or not
+                if k in per_tensor_keys(opt):
+                    if k == "step":
+                        assert float(v) == step + 1  # the step counts per tensor, skipped elements or not
                     continue
                 assert v.dtype == torch.float32
-                old = old_states[k] if k in old_states else torch.full_like(v, initial_state_value(case, k))
+                old = old_states[k] if k in old_states else initial_state(opt, k, old_p, initial_state_value(case, k))
                 assert torch.equal(bits_at(v, mask), bits_at(old, mask)), f"{what}: skipped elements of {k} changed"
                 assert bool((v != old)[~mask].any()), f"{what}: state {k} never changed"
 
@@ -103,9 +106,10 @@ def test_skip_zeros_does_not_skip_nan(case):
             assert bool(torch.isnan(p.detach()[nan_masks[i]]).all()), f"{what}: NaN-gradient elements were skipped"
             assert torch.equal(bits_at(p, zero_masks[i]), bits_at(before[i][0], zero_masks[i])), what
             for k, v in state_tensors(opt, p).items():
-                if k != "step":
+                if k not in per_tensor_keys(opt):
                     assert bool(torch.isnan(v[nan_masks[i]]).all()), f"{what}: state {k} skipped a NaN gradient"
-                    old = before[i][1].get(k, torch.full_like(v, initial_state_value(case, k)))
+                    old = before[i][1].get(k) if k in before[i][1] else initial_state(
+                        opt, k, before[i][0], initial_state_value(case, k))
                     assert torch.equal(bits_at(v, zero_masks[i]), bits_at(old, zero_masks[i])), f"{what}: {k}"
             if case in ELEMENTWISE:  # no norm couples the elements: the others stay finite
                 fresh = ~nan_masks[i] & ~torch.isnan(before[i][0])
@@ -149,8 +153,8 @@ def test_skip_zeros_embedding_table_untouched_rows_stay_exact(case, dtype):
     untouched = never.unsqueeze(1).expand(rows, dim)
     assert torch.equal(bits_at(table, untouched), bits_at(initial, untouched)), f"{case}: untouched rows changed"
     for k, v in state_tensors(opt, table).items():
-        if k != "step":
-            expected = torch.full_like(v, initial_state_value(case, k))
+        if k not in per_tensor_keys(opt):
+            expected = initial_state(opt, k, initial, initial_state_value(case, k))
             assert torch.equal(bits_at(v, untouched), bits_at(expected, untouched)), f"{case}: state {k} of untouched rows"
     changed_rows = (table.detach() != initial).any(dim=1)
     assert bool(changed_rows[10:20].all()), f"{case}: rows with gradients did not move"
@@ -176,8 +180,8 @@ def test_skip_zeros_property(case, dtype, numel, zero_fraction, steps, seed):
         opt.step()
         assert torch.equal(bits_at(p, mask), bits_at(old_p, mask))
         for k, v in state_tensors(opt, p).items():
-            if k != "step":
-                old = old_states.get(k, torch.full_like(v, initial_state_value(case, k)))
+            if k not in per_tensor_keys(opt):
+                old = old_states[k] if k in old_states else initial_state(opt, k, old_p, initial_state_value(case, k))
                 assert torch.equal(bits_at(v, mask), bits_at(old, mask)), k
 
 
@@ -202,7 +206,7 @@ def test_skip_zeros_leaves_other_elements_as_without_it(case):
     for i, mask in enumerate(masks):
         assert torch.equal(bits_at(params_on[i], ~mask), bits_at(params_off[i], ~mask)), f"{case} tensor {i}"
         for k, v in state_tensors(opt_on, params_on[i]).items():
-            if k != "step":
+            if k not in per_tensor_keys(opt_on):
                 assert torch.equal(bits_at(v, ~mask), bits_at(opt_off.state[params_off[i]][k], ~mask)), f"{case} {k}"
         assert torch.equal(bits_at(params_on[i], mask), bits_at(params[i], mask))
         assert bool((params_off[i].detach() != params[i].detach())[mask].all()), f"{case}: skip_zeros off did not decay"

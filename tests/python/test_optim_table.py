@@ -15,7 +15,8 @@ import graphsafe.optim as go
 from graphsafe import _C
 
 TABLE = _C.optim_algorithms()
-CLASSES = [go.Adam, go.AdamW, go.SGD, go.RMSprop, go.Adagrad, go.Lion, go.LAMB, go.LARS, go.AdEMAMix]
+CLASSES = [go.Adam, go.AdamW, go.SGD, go.RMSprop, go.Adagrad, go.Lion, go.LAMB, go.LARS, go.AdEMAMix,
+           go.AdamWScheduleFree]
 # The constructor options that decide which states exist, with values that turn them off and on.
 PRESENCE_OPTIONS = {go.Adam: dict(amsgrad=(False, True)), go.AdamW: dict(amsgrad=(False, True)),
                     go.SGD: dict(momentum=(0.0, 0.9)), go.RMSprop: dict(centered=(False, True), momentum=(0.0, 0.5))}

@@ -1,15 +1,19 @@
 """The optimizers. Adam, AdamW, SGD, RMSprop and Adagrad take the numerical options of their torch.optim
-namesakes and give the same numbers; Lion, LAMB, LARS and AdEMAMix follow their papers (docs/optim.md has every
-formula). All add skip_zeros, state_bits, block_size and min_8bit_size.
+namesakes and give the same numbers; Lion, LAMB, LARS and AdEMAMix follow their papers, AdamWScheduleFree the
+schedulefree package (docs/optim.md has every formula). All add skip_zeros, state_bits, block_size and
+min_8bit_size.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from ._base import GraphsafeOptimizer
 
-__all__ = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix"]
+__all__ = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix", "AdamWScheduleFree"]
 
 
 def _flag(value: Any) -> float:
@@ -243,3 +247,80 @@ class AdEMAMix(GraphsafeOptimizer):
                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
 
 
+
+class AdamWScheduleFree(GraphsafeOptimizer):
+    """Schedule-Free AdamW (Defazio et al. 2024, "The Road Less Scheduled"): the schedulefree package's
+    AdamWScheduleFree, capturable. No lr schedule is needed; warmup_steps gives a linear warm-up, r and
+    weight_lr_power the weights of the average.
+
+    While training the parameters hold y, where gradients are taken; the model is meant to be evaluated (and
+    saved) at x, the average. As with the package, call `optimizer.train()` before training and
+    `optimizer.eval()` before evaluating or saving: they move the parameters between y and x. A step in eval
+    mode raises (a captured step, replayed, does not check). The package keeps its weight sums per param group
+    on the host; here each parameter keeps them on its device (state 'weight_sum' and 'lr_max', beside 'step'),
+    so that nothing is read back. A parameter without a gradient in a step does not advance its sums, as it does
+    not advance its step (the package advances its group's). state_bits 32 or 16: z, an iterate of the
+    parameter's scale moved by lr-sized steps, would lose those steps in 8-bit codes.
+    """
+
+    algorithm = "adamw_schedulefree"
+
+    def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=0, r=0.0,
+                 weight_lr_power=2.0, *, maximize=False, foreach=None, skip_zeros=False, state_bits=32,
+                 block_size=256, min_8bit_size=4096):
+        defaults = dict(lr=lr, betas=_betas(betas, 2), eps=eps, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                        r=r, weight_lr_power=weight_lr_power, maximize=maximize, train_mode=False)
+        super().__init__(params, defaults, skip_zeros=skip_zeros, state_bits=state_bits, block_size=block_size,
+                         min_8bit_size=min_8bit_size)
+
+    def _options(self, group):
+        try:
+            beta1, beta2 = group["betas"]
+        except (TypeError, ValueError):
+            beta1, beta2 = _betas(group["betas"], 2)
+        if not float(beta1) > 0.0:  # (eval() divides by it; the core takes [0, 1))
+            raise ValueError(f"invalid optimizer hyperparameter: betas[0] must be in (0, 1) for "
+                             f"{type(self).__name__}, got {beta1!r}")
+        return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), warmup_steps=float(group["warmup_steps"]),
+                    r=float(group["r"]), weight_lr_power=float(group["weight_lr_power"]))
+
+    @torch.no_grad()
+    def train(self) -> None:
+        """Moves every parameter from x to y (p = lerp(p, z, 1 - beta1)) unless its group is in train mode."""
+        self._switch_mode(train=True)
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Moves every parameter from y to x (p = lerp(p, z, 1 - 1/beta1)) unless its group is in eval mode."""
+        self._switch_mode(train=False)
+
+    def _switch_mode(self, train: bool) -> None:
+        for group in self.param_groups:
+            if bool(group["train_mode"]) == train:
+                continue
+            beta1 = float(self._options(group)["beta1"])
+            weight = 1.0 - beta1 if train else 1.0 - 1.0 / beta1
+            for p in group["params"]:
+                z = self.state[p].get("z") if p in self.state else None
+                if z is not None:
+                    _lerp_in_place(p, z, weight)
+            group["train_mode"] = train
+
+    def _step_groups(self) -> None:
+        for group in self.param_groups:
+            if not group["train_mode"]:
+                raise RuntimeError(f"{type(self).__name__}: step called in eval mode; call optimizer.train() before "
+                                   "training and optimizer.eval() before evaluating, as with the schedulefree package")
+        super()._step_groups()
+
+
+def _lerp_in_place(p: Tensor, end: Tensor, weight: float) -> None:
+    """p = torch.lerp(p, end, weight) in fp32, rounded once to p's dtype; written out as separate operations
+    (torch's formula: p + weight * (end - p) for |weight| < 0.5, else end - (end - p) * (1 - weight)), each
+    rounded once, so that the CPU and CUDA give the same bits (a fused lerp may contract into multiply-adds)."""
+    start, end = p.detach().float(), end.detach().float()
+    if abs(weight) < 0.5:
+        p.copy_(start + (end - start) * weight)
+    else:
+        p.copy_(end - (end - start) * (1.0 - weight))
