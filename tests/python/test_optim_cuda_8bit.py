@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import (
+    skip_unless_storable,
     OPTIM_CASE_NAMES,
     assert_bitwise_equal,
     assert_rel_close,
@@ -65,6 +66,7 @@ def test_8bit_cuda_matches_cpu(case, dtype, block_size):
     root and reciprocal), a few fp32 ulps from the CPU's IEEE arithmetic, which now and then moves a code by one
     step; that element's later updates then differ by up to a map step (a few percent), which over 10 steps
     says nothing about the arithmetic. (LAMB/LARS: their norms are summed in a different order.)"""
+    skip_unless_storable(case, 8)
     seed = stable_seed("8bit-cuda-vs-cpu", case, str(dtype), block_size)
     params_cpu = make_params(SHAPES, dtype, make_generator(seed), offsets=OFFSETS)
     params_cuda = make_params(SHAPES, dtype, make_generator(seed), device=CUDA, offsets=OFFSETS)
@@ -180,6 +182,7 @@ def _run_with_bad_gradient_on_cuda(case, numel, state_bits, bad):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
 def test_non_finite_gradient_with_8bit_states_on_cuda_damages_only_its_element(case, bad, numel):
+    skip_unless_storable(case, 8)
     p8, states8 = _run_with_bad_gradient_on_cuda(case, numel, 8, bad)
     p32, _ = _run_with_bad_gradient_on_cuda(case, numel, 32, bad)
     damaged8, damaged32 = int((~torch.isfinite(p8)).sum()), int((~torch.isfinite(p32)).sum())
