@@ -143,6 +143,15 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
   Coefficients k{};
   k.lr = lr_value;
   k.step = step_value;
+  // First, so that schedule_weight is not kept alive through the rest (the measuring pass of the 8-bit LAMB
+  // kernel went from 48 to 62 registers when these came last).
+  k.schedule_weight = static_cast<float>(schedule_weight);
+  if (o.algorithm == OptimAlgorithm::AdamWScheduleFree) {
+    const double lr_t = scheduled_lr(o, lr, step);
+    k.neg_scheduled_lr = static_cast<float>(-lr_t);
+    k.y_step = static_cast<float>(lr_t * (o.beta1 * (1.0 - schedule_weight) - 1.0));
+    k.bias_correction2 = static_cast<float>(1.0 - pow_d(o.beta2, step));
+  }
   k.beta1 = static_cast<float>(o.beta1);
   k.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
   k.beta2 = static_cast<float>(o.beta2);
@@ -176,11 +185,6 @@ GS_HD Coefficients coefficients(const OptimOptions& o, float lr_value, float ste
   }
   k.beta3 = static_cast<float>(beta3);
   k.one_minus_beta3 = static_cast<float>(1.0 - beta3);
-  const double lr_t = scheduled_lr(o, lr, step);
-  k.schedule_weight = static_cast<float>(schedule_weight);
-  k.neg_scheduled_lr = static_cast<float>(-lr_t);
-  k.y_step = static_cast<float>(lr_t * (o.beta1 * (1.0 - schedule_weight) - 1.0));
-  k.bias_correction2 = static_cast<float>(bc2);
   return k;
 }
 

@@ -43,7 +43,7 @@ __device__ SquaredNorms block_sum(SquaredNorms mine, float (&partial)[2][kThread
 // Layer-wise pass 1: each block writes its chunk's squared norms (a fixed-order tree over the threads,
 // layout.h's order); the tensors are not written (rules.h, layerwise_apply, says why).
 template <class T, int States, int Bits>
-__global__ void __launch_bounds__(kThreads) measure_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table,
+__global__ void __launch_bounds__(kThreads, LayerwisePolicy::kMeasureMinBlocksPerSM) measure_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table,
                                                           int64_t total_blocks, int block_size, float* chunk_norms) {
   __shared__ Coefficients k;
   __shared__ float partial[2][kThreads];
