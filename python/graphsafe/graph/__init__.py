@@ -1,10 +1,12 @@
 """graphsafe.graph: trace a training step into one FX graph, rewrite it, gate it, capture it.
 
 trace_training_step -> rewrite_embedding_backward -> capture_gate -> partition_for_capture -> runners
-(capture.py), tied together by compile_step (step.py). docs/graph.md explains each piece.
+(capture.py), tied together by compile_step (step.py); data_parallel.py adds the gradient all-reduce of a
+data-parallel step to the trace. docs/graph.md and docs/multi-gpu.md explain each piece.
 """
 
 from .capture import CaptureError, InputMismatchError
+from .data_parallel import DataParallel, DataParallelPlan
 from .gate import NOTES, RULES, GateReport, capture_gate
 from .partition import PartitionReport, Region, partition_for_capture, run_regions
 from .rewrite import RewriteReport, rewrite_embedding_backward, use_graphsafe_embeddings
@@ -17,4 +19,5 @@ __all__ = [
     "capture_gate", "GateReport", "RULES", "NOTES",
     "partition_for_capture", "PartitionReport", "Region", "run_regions",
     "compile_step", "CompiledStep", "StepReport", "MODES", "CaptureError", "InputMismatchError",
+    "DataParallel", "DataParallelPlan",
 ]

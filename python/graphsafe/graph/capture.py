@@ -29,7 +29,7 @@ from torch import Tensor
 from .partition import Region, output_from_env, run_regions
 from .trace import TensorSpec, TracedStep
 
-__all__ = ["InputMismatchError", "CaptureError", "EagerRunner", "CaptureRunner", "FullCaptureRunner",
+__all__ = ["InputMismatchError", "CaptureError", "EagerRunner", "AutogradRunner", "CaptureRunner", "FullCaptureRunner",
            "PiecewiseCaptureRunner", "check_batch"]
 
 
@@ -83,6 +83,29 @@ class EagerRunner:
             p.grad = g
         self.optimizer.step()
         return loss
+
+
+class AutogradRunner:
+    """The step as a plain loop runs it, through autograd and the module's own hooks, without a trace: for
+    models compile_step cannot trace (FSDP2, DTensor parameters; data_parallel.sharded_findings says why)."""
+
+    captured = False
+
+    def __init__(self, model: torch.nn.Module, loss_fn, optimizer: torch.optim.Optimizer,
+                 num_model_inputs: int) -> None:
+        self.model, self.loss_fn, self.optimizer, self.num_model_inputs = model, loss_fn, optimizer, num_model_inputs
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def __call__(self, batch: Sequence[Tensor]) -> Tensor:
+        k = self.num_model_inputs
+        for p in self.params:  # this step's gradient only, as in the traced runners (not accumulated)
+            p.grad = None
+        loss = self.loss_fn(self.model(*batch[:k]), *batch[k:])
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise TypeError("loss_fn must return a floating-point tensor with one element")
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
 
 
 def _warm_up(runner: EagerRunner, batch: Sequence[Tensor]) -> Tensor:

@@ -127,6 +127,43 @@ def _runs_on_cpu(node: Node, device: torch.device) -> bool:
     return any(t.device.type == "cpu" and t.dim() > 0 for t in _tensors(_val(node)))
 
 
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def _is_collective(node: Node, device: torch.device | None = None) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def collective_backend(node: Node, device: torch.device) -> str | None:
+    """The backend that runs a functional collective node on `device`'s tensors ("nccl", "gloo", ...; None when the
+    group cannot be found in this process). wait_tensor nodes belong to the collective they wait for."""
+    while _is_collective(node) and _packet(node) is getattr(torch.ops._c10d_functional, "wait_tensor", None):
+        inputs = _input_nodes(node)
+        if not inputs:
+            return None
+        node = inputs[0]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    names = [a.name for a in schema.arguments]
+    if "group_name" not in names:
+        return None
+    position = names.index("group_name")
+    group_name = node.args[position] if position < len(node.args) else node.kwargs.get("group_name")
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        group = _resolve_process_group(group_name)
+        return str(group._get_backend(torch.device(device.type)).name())
+    except Exception:  # noqa: BLE001 - no such group in this process, or an older torch
+        return None
+
+
+def _is_host_collective(node: Node, device: torch.device) -> bool:
+    # NCCL launches collectives as kernels on a stream, which a CUDA graph records; gloo (and an unknown backend)
+    # runs them on the host.
+    return device.type == "cuda" and _is_collective(node) and collective_backend(node, device) != "nccl"
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -161,6 +198,12 @@ RULES: tuple[Rule, ...] = (
          "uses (or computes) a host number that was read from the device (e.g. the result of .item()): a captured "
          "graph would keep the value from the capture forever",
          "test_device_scalar_is_frozen_at_capture; test_piecewise_host_read_equals_eager_and_is_faster"),
+    Rule("host_collective", _is_host_collective,
+         "collective (all-reduce, all-gather, broadcast or its wait) on a process group whose backend for CUDA "
+         "tensors is not NCCL: gloo runs it on the host, staging CUDA tensors through host memory synchronously, "
+         "which a CUDA graph cannot record. It runs eagerly between captured regions; for a whole-step capture use "
+         "the NCCL backend (init_process_group('nccl'), or 'cpu:gloo,cuda:nccl')",
+         "not checked on a GPU yet (multi-GPU runs: issue 23)"),
     Rule("device_to_host_copy", _is_device_to_host_copy,
          "copies a GPU tensor to the CPU (.cpu(), .tolist(), .numpy()): the CPU waits for the GPU, not allowed "
          "while capturing. Keep the tensor on the GPU",
@@ -191,6 +234,11 @@ NOTES: tuple[Rule, ...] = (
          "graph.register_generator_state), but captured and eager runs need not draw the same numbers, so bitwise "
          "comparisons with eager do not hold for it",
          "test_rng_captures_and_draws_new_numbers_per_replay: torch.rand captures, replays draw new numbers"),
+    Rule("collective", _is_collective,
+         "collective over a process group (data parallelism): every rank runs it at the same point of every step; "
+         "with NCCL on CUDA it is recorded into the CUDA graph, so each replay is a collective and every rank must "
+         "replay its graph the same number of times",
+         "not checked on a GPU yet (multi-GPU runs: issue 23)"),
 )
 
 

@@ -14,13 +14,14 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .capture import (CaptureError, CaptureRunner, EagerRunner, FullCaptureRunner, PiecewiseCaptureRunner,
-                      check_batch)
+from .capture import (AutogradRunner, CaptureError, CaptureRunner, EagerRunner, FullCaptureRunner,
+                      PiecewiseCaptureRunner, check_batch, written_buffers)
+from .data_parallel import DataParallelPlan, resolve_data_parallel, sharded_findings
 from ..optim._base import GraphsafeOptimizer
 from .gate import GateReport, capture_gate
 from .partition import PartitionReport, partition_for_capture
 from .rewrite import RewriteReport, rewrite_embedding_backward
-from .trace import TracedStep, as_batch, trace_training_step
+from .trace import TensorSpec, TracedStep, as_batch, trace_training_step
 
 __all__ = ["MODES", "StepReport", "CompiledStep", "compile_step"]
 
@@ -41,10 +42,14 @@ class StepReport:
     mode: str = ""
     decision: str = ""
     fallbacks: list[str] = field(default_factory=list)
+    data_parallel: DataParallelPlan | None = None
+    traced: bool = True  # False: a model compile_step cannot trace (FSDP2), run through autograd
 
     def __str__(self) -> str:
         parts = [f"mode: {self.mode} (requested {self.requested_mode}) - {self.decision}"]
         parts += [f"fallback: {f}" for f in self.fallbacks]
+        if self.data_parallel is not None:
+            parts.append(str(self.data_parallel))
         parts += [str(self.rewrite), str(self.gate), str(self.partition)]
         return "\n".join(parts)
 
@@ -57,11 +62,16 @@ class CompiledStep:
     param.grad keeps this step's gradient (in captured modes, the static buffer the graphs write) instead of
     being reset to None. The model is traced on the first call (or at construction when example_batch is
     given); `.report` and `.mode` are available from then on.
+
+    Data parallelism (data_parallel.py, docs/multi-gpu.md): a DistributedDataParallel model, or data_parallel=
+    True / a ProcessGroup / a DataParallel, makes the traced step average the gradients over the ranks inside the
+    graph, as DDP does. Constructing such a step is a collective (rank 0's parameters and buffers are broadcast,
+    as DDP's constructor does, unless the model is a DDP already). FSDP2 models are run eagerly through autograd.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
                  mode: str = "auto", *, num_model_inputs: int = 1, warmup_steps: int = 2,
-                 example_batch: Any = None) -> None:
+                 example_batch: Any = None, data_parallel: Any = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -71,7 +81,15 @@ class CompiledStep:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.requested_mode, self.num_model_inputs, self.warmup_steps = mode, num_model_inputs, warmup_steps
         self.device = _model_device(model)
+        self.module, self.data_parallel = resolve_data_parallel(model, data_parallel)
+        self.sharded = sharded_findings(self.module)
+        if self.sharded and self.data_parallel is not None:
+            raise ValueError(f"compile_step: data parallelism over a sharded model ({self.sharded[0].node}: "
+                             f"{self.sharded[0].op}); FSDP2 averages the gradients itself, leave data_parallel out")
+        if self.data_parallel is not None and self.data_parallel.source == "process group":
+            self.data_parallel.sync_module(self.module)
         self.traced: TracedStep | None = None
+        self.batch_specs: list[TensorSpec] | None = None
         self.report: StepReport | None = None
         self.graph_module: torch.fx.GraphModule | None = None
         self._runner = None
@@ -89,9 +107,9 @@ class CompiledStep:
 
     def __call__(self, batch: Any) -> Tensor:
         batch = as_batch(batch)
-        if self.traced is None:
+        if self.batch_specs is None:
             self._prepare(batch)
-        check_batch(batch, self.traced.batch_specs)
+        check_batch(batch, self.batch_specs)
         try:
             return self._runner(batch)
         except CaptureError as exc:
@@ -102,14 +120,58 @@ class CompiledStep:
     # ---- setup ----
 
     def _prepare(self, batch: tuple[Tensor, ...]) -> None:
-        traced = trace_training_step(self.model, self.loss_fn, batch, self.num_model_inputs)
+        if self.sharded:
+            return self._prepare_untraced(batch)
+        traced = self._trace(batch)
         gm, rewrite = rewrite_embedding_backward(traced.graph_module)
         _, gate = capture_gate(gm, self.device)
         split, partition = partition_for_capture(gm, gate, self.device)
-        self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition)
+        self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition,
+                                 data_parallel=self.data_parallel)
         mode, decision = self._choose_mode(gate, partition)  # may refuse the mode: then nothing is kept
         self.traced, self.graph_module, self.regions = traced, gm, split.regions
+        self.batch_specs = traced.batch_specs
         self._use(mode, decision)
+
+    def _trace(self, batch: tuple[Tensor, ...]) -> TracedStep:
+        plan = self.data_parallel
+        if plan is None:
+            return trace_training_step(self.module, self.loss_fn, batch, self.num_model_inputs)
+        traced = trace_training_step(self.module, self.loss_fn, batch, self.num_model_inputs,
+                                     after_backward=plan.reduce_gradients)
+        if not plan.broadcast_buffers:
+            return traced
+        # Only the buffers the step writes can differ between ranks after the sync at construction: those are
+        # broadcast from rank 0 before each forward pass (DDP broadcasts every buffer each step to the same end).
+        names = {id(b): n for n, b in zip(traced.buffer_names, traced.buffers)}
+        buffer_names = {n for n, _ in self.module.named_buffers()}
+        plan.broadcast = [names[id(b)] for b in written_buffers(traced, traced.graph_module)
+                          if names[id(b)] in buffer_names and names[id(b)] not in plan.ignored]
+        if not plan.broadcast:
+            return traced
+        return trace_training_step(self.module, self.loss_fn, batch, self.num_model_inputs,
+                                   before_forward=plan.broadcast_written_buffers, after_backward=plan.reduce_gradients)
+
+    def _prepare_untraced(self, batch: tuple[Tensor, ...]) -> None:
+        """A model compile_step cannot trace (FSDP2, DTensor parameters): the gate's findings name the modules and
+        the reason; the step runs eagerly through autograd, or is refused if a capture mode was asked for."""
+        gate = GateReport(self.device, unsafe=list(self.sharded))
+        self.report = StepReport(self.requested_mode, self.device, RewriteReport(), gate, PartitionReport(),
+                                 traced=False)
+        first = self.sharded[0]
+        if self.requested_mode in ("full", "piecewise"):
+            raise CaptureError(f"mode={self.requested_mode!r}: this model cannot be traced, so nothing of its step can "
+                               f"be captured ({first.node}: {first.reason}). Use mode='auto' or 'eager'")
+        if not 1 <= self.num_model_inputs <= len(batch):
+            raise ValueError(f"num_model_inputs must be between 1 and the batch length {len(batch)}, got "
+                             f"{self.num_model_inputs}")
+        self.batch_specs = [TensorSpec.of(t) for t in batch]
+        self._runner = AutogradRunner(self.module, self.loss_fn, self.optimizer, self.num_model_inputs)
+        kinds = sorted({f.rule for f in self.sharded})
+        self.report.mode = "eager"
+        self.report.decision = (f"not traced ({', '.join(kinds)}: {len(self.sharded)} finding(s), first "
+                                f"{first.node}); the step runs eagerly through autograd and the module's hooks")
+        logger.info("graphsafe.graph: mode=eager (%s)", self.report.decision)
 
     def _choose_mode(self, gate: GateReport, partition: PartitionReport) -> tuple[str, str]:
         counts = f"{len(self.report.rewrite.rewritten)} embedding backward(s) rewritten, {len(gate.unsafe)} unsafe node(s)"
@@ -168,15 +230,19 @@ class CompiledStep:
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
                  mode: str = "auto", *, num_model_inputs: int = 1, warmup_steps: int = 2,
-                 example_batch: Any = None) -> CompiledStep:
+                 example_batch: Any = None, data_parallel: Any = None) -> CompiledStep:
     """Compile `loss = loss_fn(model(*batch[:k]), *batch[k:]); backward; optimizer.step()` into one callable.
 
     mode: "auto" (full capture when the gate passes, else piecewise, else eager), "full", "piecewise" or
     "eager". On CUDA the first `warmup_steps` calls run eagerly (real steps), the next one captures. On the CPU
     nothing is captured: the traced, rewritten graph runs op by op. See docs/graph.md.
+
+    data_parallel: None (data parallel only when model is a DistributedDataParallel), True (the default process
+    group), a ProcessGroup, or a graphsafe.graph.DataParallel: the gradients are averaged over the group's ranks
+    inside the traced step (bucketed functional all-reduces, DDP's numerics). See docs/multi-gpu.md.
     """
     return CompiledStep(model, loss_fn, optimizer, mode, num_model_inputs=num_model_inputs,
-                        warmup_steps=warmup_steps, example_batch=example_batch)
+                        warmup_steps=warmup_steps, example_batch=example_batch, data_parallel=data_parallel)
 
 
 def _optimizer_not_capturable(optimizer: torch.optim.Optimizer) -> str:

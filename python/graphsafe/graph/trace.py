@@ -127,8 +127,15 @@ def trace_training_step(
     loss_fn: Callable[..., Tensor],
     batch: Any,
     num_model_inputs: int = 1,
+    *,
+    before_forward: Callable[[dict[str, Tensor]], None] | None = None,
+    after_backward: Callable[[list[str], list[Tensor]], list[Tensor]] | None = None,
 ) -> TracedStep:
-    """Trace `loss = loss_fn(model(*batch[:k]), *batch[k:])` and its gradients (k = num_model_inputs)."""
+    """Trace `loss = loss_fn(model(*batch[:k]), *batch[k:])` and its gradients (k = num_model_inputs).
+
+    before_forward(buffers) runs first, on the traced buffers by name (it may update them in place: the ops are
+    part of the graph); after_backward(names, grads) maps the gradients (of the parameters named, in parameter
+    order) to the ones the graph returns. Data parallelism puts its collectives there (data_parallel.py)."""
     batch = as_batch(batch)
     if not 1 <= num_model_inputs <= len(batch):
         raise ValueError(f"num_model_inputs must be between 1 and the batch length {len(batch)}, got {num_model_inputs}")
@@ -163,6 +170,8 @@ def trace_training_step(
         state = dict(zip(param_names, p_in)) | dict(zip(buffer_names, b_in))
         traced_buffers.clear()
         traced_buffers.update((n, b) for n, b in zip(buffer_names[len(frozen):], b_in[len(frozen):]))
+        if before_forward is not None:
+            before_forward(dict(traced_buffers))
         hook = model.register_forward_hook(refuse_reassigned_buffers)
         try:
             output = torch.func.functional_call(model, state, tuple(batch_in[:num_model_inputs]))
@@ -173,7 +182,10 @@ def trace_training_step(
             raise TypeError(f"loss_fn must return a floating-point tensor with one element, got {_describe(loss)}")
         grads = torch.autograd.grad(loss, p_in, allow_unused=True)
         has_grad[:] = [g is not None for g in grads]
-        return (loss.detach(), *[g for g in grads if g is not None])
+        reached = [g for g in grads if g is not None]
+        if after_backward is not None:
+            reached = after_backward([n for n, g in zip(param_names, grads) if g is not None], reached)
+        return (loss.detach(), *reached)
 
     # The parameters are traced as fresh leaves that require grad, so autograd.grad differentiates
     # with respect to exactly these inputs (not to the module's own tensors).
