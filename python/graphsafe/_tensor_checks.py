@@ -21,8 +21,8 @@ def unreadable_reason(t: Any) -> str | None:
     cls = type(t)
     if cls is not Tensor and cls.__torch_dispatch__ is not _PLAIN_DISPATCH:
         if cls.__name__ == "DTensor":
-            return ("a DTensor (an FSDP2 or torch.distributed.tensor shard), which graphsafe does not support yet: "
-                    "its memory is the local shard, not the tensor")
+            return ("a DTensor (an FSDP2 or torch.distributed.tensor shard), whose memory is its local shard, not "
+                    "the tensor: pass its .to_local() (graphsafe's optimizers take DTensor parameters themselves)")
         return f"a {cls.__name__}, a tensor subclass with its own __torch_dispatch__ (its memory is not its data)"
     if t.is_nested:
         return "a nested tensor"

@@ -18,18 +18,25 @@ What must hold (checked on torch 2.11, gloo, 2 and 3 processes; tests/python/tes
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-try:  # torch.distributed can be left out of a torch build; plain tensors then need nothing of it
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = None
+# DTensor is looked up where it is used, never imported here: importing torch.distributed.tensor takes most of a
+# second, which every `import graphsafe` would pay, and no DTensor can exist before that module is imported.
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
-__all__ = ["ShardSpec", "local_view", "like_param", "is_dtensor"]
+
+def dtensor_class() -> type | None:
+    """torch's DTensor class if torch.distributed.tensor has been imported (else no DTensor exists), else None."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+__all__ = ["ShardSpec", "local_view", "like_param", "is_dtensor", "dtensor_class"]
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,9 @@ class ShardSpec:
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether t is a torch.distributed DTensor (False where this torch has none)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    """Whether t is a torch.distributed DTensor."""
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local_view(tensor: Tensor) -> tuple[Tensor, ShardSpec | None]:
@@ -101,5 +109,5 @@ def like_param(local_state: Tensor, param: Tensor | ShardSpec | None) -> Tensor:
     if tuple(local_state.shape) != expected:
         raise ValueError(f"like_param: a local state of shape {tuple(local_state.shape)} does not fit this rank's "
                          f"shard {expected} of a parameter of shape {tuple(spec.shape)} placed {spec.placements}")
-    return DTensor.from_local(local_state, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+    return dtensor_class().from_local(local_state, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                               stride=spec.stride)

@@ -30,6 +30,7 @@ from .._tensor_checks import require_readable, unreadable_reason
 from ._fast_path import _FastPath, _shape_of
 from ._learning_rate import _check_lr, _lr_tensor
 from ._persistence import _Persistence
+from ._shards import check_grad, check_param, local_of
 from ._state_storage import _StateMap, _StateStorage, _check_state_tensors, _check_storage_options, \
     _in_step_form, _state_keys, _storage_bits
 
@@ -135,6 +136,8 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
         self._check_state_bits(group)
         for p in group["params"]:
+            check_param(type(self).__name__, p)  # a DTensor: its local shard is what the core updates
+            p = local_of(p)
             require_readable(type(self).__name__, "a parameter", p)
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got {p.dtype}")
@@ -351,7 +354,12 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
         schedule = self._schedule_names
-        for p, g in pairs:
+        for key, g in pairs:
+            p = key  # what the core updates: the parameter, or a DTensor parameter's local shard (and gradient's)
+            if type(key) is not Tensor and type(key) is not torch.nn.Parameter:
+                check_param(type(self).__name__, key)
+                check_grad(type(self).__name__, key, g)
+                p, g = local_of(key), local_of(g)
             if not (g.layout is strided and g.dtype is dtype and g.shape == p.shape and g.device == device) or (
                     type(g) is not Tensor and unreadable_reason(g) is not None):
                 self._reject_grad(p, g)
@@ -364,10 +372,11 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
                 g = g.contiguous()
                 contiguous_copies.append(g)
             numel = p.numel()
-            bits = _storage_bits(state_bits, min_8bit_size, numel)
-            state = all_states[p]
+            # (a DTensor's storage follows its whole size, so that every rank keeps the same state forms)
+            bits = _storage_bits(state_bits, min_8bit_size, key.numel())
+            state = all_states[key]
             if not _in_step_form(state, names, bits, block_size, schedule):
-                state = self._state_of(group, p, names, bits)
+                state = self._state_of(group, key, names, bits)
             kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(bits, ([], [], [], []))
             kind_params.append(p)
             kind_grads.append(g)

@@ -9,8 +9,11 @@ from typing import Any
 
 from torch import Tensor
 
+from .. import _C
 from .._tensor_checks import require_readable
+from ..distributed.shard_views import is_dtensor
 from ._learning_rate import _lr_tensor
+from ._shards import localized_state, shareable_state
 from ._state_storage import _StateMap
 
 # Group options that say how states are stored; load_state_dict keeps the loading optimizer's.
@@ -18,8 +21,21 @@ _STORAGE_OPTIONS = ("state_bits", "block_size", "min_8bit_size")
 
 
 class _Persistence:
-    """GraphsafeOptimizer's loading of a state_dict. Reads the optimizer's param_groups, state, __setstate__,
-    _group_device, _check_group, _state_names, _bits_of and _state_of."""
+    """GraphsafeOptimizer's state_dict and its loading. Reads the optimizer's param_groups, state, algorithm,
+    __setstate__, _group_device, _check_group, _state_names, _core_options, _bits_of and _state_of."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.Optimizer.state_dict(); a DTensor parameter's element-wise states as DTensors of its layout
+        (8-bit ones as their fp32 values: _shards.py), as torch.optim's are under FSDP2, so that
+        torch.distributed.checkpoint saves every rank's shard."""
+        state_dict = super().state_dict()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if is_dtensor(p) and index in state_dict["state"]:
+                    state_dict["state"][index] = shareable_state(self, group, p, state_dict["state"][index])
+                index += 1
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict from any graphsafe optimizer of the same algorithm, on any device.
@@ -51,6 +67,9 @@ class _Persistence:
             p = id_to_param[saved_id]
             if not isinstance(values, dict):
                 raise TypeError(f"{owner}: a saved parameter state must be a dict, got {type(values).__name__}")
+            if is_dtensor(p):  # to this rank's shard (DTensors of p's layout, or whole tensors)
+                names = {s["name"] for s in _C.optim_algorithms()[self.algorithm]["states"]}
+                values = localized_state(owner, p, values, names)
             for key, value in values.items():
                 if isinstance(value, Tensor):
                     require_readable(owner, f"the saved state '{key}' of a parameter of shape {tuple(p.shape)}", value)

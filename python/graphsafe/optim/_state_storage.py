@@ -21,6 +21,7 @@ from torch import Tensor
 from .. import _C, ops
 from .._core_args import dtype_name
 from .._tensor_checks import require_readable, unreadable_reason
+from ._shards import local_of
 
 
 class _StateMap(defaultdict):
@@ -246,6 +247,7 @@ class _StateStorage:
         algorithm's states or schedule values is an incomplete checkpoint: ValueError, instead of a silent
         restart."""
         state = self.state[p]
+        p = local_of(p)  # a DTensor parameter's states are its local shard's (_shards.py)
         owner = f"{type(self).__name__}.load_state_dict"
         if loading:
             if "step" not in state:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._base import GraphsafeOptimizer
+from ._shards import local_of
 
 __all__ = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix", "AdamWScheduleFree"]
 
@@ -304,7 +305,7 @@ class AdamWScheduleFree(GraphsafeOptimizer):
             for p in group["params"]:
                 z = self.state[p].get("z") if p in self.state else None
                 if z is not None:
-                    _lerp_in_place(p, z, weight)
+                    _lerp_in_place(local_of(p), z, weight)  # (a DTensor parameter: its local shard)
             group["train_mode"] = train
 
     def _step_groups(self) -> None:
