@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import graphsafe.bench.optim as bo
+import graphsafe.bench.optim_report as bor
 from graphsafe.bench.harness import BenchContext
 from graphsafe.bench.timing import CopyBandwidth, TimerConfig
 
@@ -39,7 +40,7 @@ def test_bf16_rows_compare_bf16_states_with_torch_and_fp32_rows_fp32_states():
         target = targets[f"{case.label}: graphsafe ({states} states) ≤ torch fused"]
         assert target.status == "PASS", target
         assert target.value == ("0.500 vs 1.000 ms" if states == "fp32" else "0.800 vs 1.000 ms")
-    table = bo._compare_table(bo._index(records), ctx)
+    table = bor._compare_table(bor._index(records), ctx)
     bf16_case = next(c for c in bo.compare_cases(ctx.quick) if c.dtype == torch.bfloat16)
     rows = [line for line in table.splitlines() if line.startswith(f"| {bf16_case.label} ")]
     assert len(rows) == 3 and "fp32" in rows[0] and "bf16" in rows[1] and "torch fused" in rows[2]
