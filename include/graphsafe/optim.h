@@ -92,6 +92,14 @@ struct OptimStepArgs {
   // elements (a power of two, 32 to 1024).
   int state_bits = 32;
   int block_size = 256;
+  // LAMB and LARS on a sharded tensor (docs/optim.md, "LAMB and LARS on shards"): 2 floats per tensor, in the
+  // tensors' order, each tensor's squared norms (param², update²) over the WHOLE tensor: the partials that
+  // optim_layerwise_norms_* measured on every shard, summed across the shards by the caller in a fixed order. Host
+  // memory on the CPU, device memory on CUDA. Set, the step forms each tensor's factor from these totals
+  // (rules.h, layerwise_factor) instead of measuring its own; everything else (steps, skip_zeros, 8-bit states,
+  // the lr test) is as without. Null: the step measures. Only for the layer-wise algorithms (std::invalid_argument
+  // otherwise).
+  const float* layerwise_norms = nullptr;
 };
 
 // The range an option must lie in (validate_optim_options): flags take any value.
@@ -183,6 +191,20 @@ void optim_check_learning_rate_cpu(const float* lr);
 // processed in launches of many tensors each.
 void optim_step_cuda(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
                      std::size_t workspace_bytes, StreamHandle stream);
+
+// The first phase of a LAMB/LARS step on shards (OptimStepArgs::layerwise_norms): for each tensor, the squared
+// norms (param², update²) that the step's measuring pass would add up, in the same order (src/optim/layout.h),
+// written as 2 floats per tensor to `norms` (an empty tensor: 0, 0). The coefficients are the step's: step + 1
+// with args.increment_steps (the steps are not incremented here), else the step as stored. Writes nothing else:
+// no parameter, state or step (the workspace, of optim_workspace_bytes, holds the chunks' partials). The
+// arguments are a step's (finish_counter and layerwise_norms are not read); only for the layer-wise algorithms
+// (std::invalid_argument otherwise). An unusable learning rate is refused as by the step: the CPU throws before
+// writing anything; on CUDA nothing is written and the error is recorded (OptimStepArgs::error).
+void optim_layerwise_norms_cpu(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
+                               std::size_t workspace_bytes, float* norms);
+// Asynchronous on `stream` and capturable; device pointers (`norms` included); reads nothing on the host.
+void optim_layerwise_norms_cuda(const OptimStepArgs& args, const OptimTensor* tensors, int count, void* workspace,
+                                std::size_t workspace_bytes, float* norms, StreamHandle stream);
 
 // ---- 8-bit blockwise quantisation (docs/optim.md "8-bit states") ----
 //

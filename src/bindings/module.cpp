@@ -79,6 +79,67 @@ OptimOptions optim_options(const std::string& algorithm, const std::map<std::str
   return o;
 }
 
+// The arguments optim_step and optim_layerwise_norms share, with the options parsed.
+OptimStepArgs optim_step_args(const std::string& algorithm, const std::map<std::string, double>& options,
+                              const std::string& param_dtype, std::uintptr_t lr, bool increment_steps, int state_bits,
+                              int block_size) {
+  OptimStepArgs args;
+  args.options = optim_options(algorithm, options);
+  args.param_dtype = dtype_from_name(param_dtype);
+  args.lr = static_cast<const float*>(as_pointer(lr));
+  args.increment_steps = increment_steps;
+  args.state_bits = state_bits;
+  args.block_size = block_size;
+  return args;
+}
+
+// The tensors of a step from the per-tensor address lists (`what` names the call in errors): states and absmax
+// state by state (state j of tensor t at j * count + t), schedule values likewise.
+std::vector<OptimTensor> optim_tensors(const char* what, const OptimStepArgs& args,
+                                       const std::vector<std::uintptr_t>& params,
+                                       const std::vector<std::uintptr_t>& grads,
+                                       const std::vector<std::uintptr_t>& states,
+                                       const std::vector<std::uintptr_t>& absmax,
+                                       const std::vector<std::uintptr_t>& steps, const std::vector<int64_t>& numels,
+                                       const std::vector<std::uintptr_t>& schedule) {
+  const std::size_t count = params.size();
+  const std::string name = what;
+  if (grads.size() != count || steps.size() != count || numels.size() != count)
+    throw std::invalid_argument(name + ": params, grads, steps and numels differ in length");
+  const std::size_t state_count = static_cast<std::size_t>(optim_state_count(args.options));
+  if (states.size() != state_count * count)
+    throw std::invalid_argument(name + ": " + std::to_string(states.size()) + " state addresses for " +
+                                std::to_string(count) + " tensors of an algorithm that keeps " +
+                                std::to_string(state_count) + " states each");
+  if (absmax.size() != (args.state_bits == 8 ? state_count * count : 0))
+    throw std::invalid_argument(name + ": 8-bit states need one absmax address per state and tensor, "
+                                "fp32 and bf16 states none; got " + std::to_string(absmax.size()));
+  const std::size_t schedule_size = static_cast<std::size_t>(optim_schedule_size(args.options.algorithm));
+  if (schedule.size() != schedule_size * count)
+    throw std::invalid_argument(name + ": " + std::to_string(schedule.size()) + " schedule addresses for " +
+                                std::to_string(count) + " tensors of an algorithm that keeps " +
+                                std::to_string(schedule_size) + " schedule values each");
+  std::vector<OptimTensor> tensors(count);
+  for (std::size_t t = 0; t < count; ++t) {
+    tensors[t].param = as_pointer(params[t]);
+    tensors[t].grad = as_pointer(grads[t]);
+    for (std::size_t j = 0; j < state_count; ++j) {
+      void* state = as_pointer(states[j * count + t]);
+      if (args.state_bits == 8) {
+        tensors[t].codes[j] = static_cast<uint8_t*>(state);
+        tensors[t].absmax[j] = static_cast<float*>(as_pointer(absmax[j * count + t]));
+      } else {
+        tensors[t].state[j] = state;
+      }
+    }
+    tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
+    for (std::size_t j = 0; j < schedule_size; ++j)
+      tensors[t].schedule[j] = static_cast<double*>(as_pointer(schedule[j * count + t]));
+    tensors[t].numel = numels[t];
+  }
+  return tensors;
+}
+
 const char* presence_name(StatePresence presence) {
   switch (presence) {
     case StatePresence::Always: return "always";
@@ -254,57 +315,20 @@ NB_MODULE(_C, m) {
          const std::vector<std::uintptr_t>& states, const std::vector<std::uintptr_t>& absmax,
          const std::vector<std::uintptr_t>& steps, const std::vector<int64_t>& numels, std::uintptr_t workspace,
          std::size_t workspace_bytes, bool increment_steps, int state_bits, int block_size,
-         std::uintptr_t finish_counter, const std::vector<std::uintptr_t>& schedule) {
-        const std::size_t count = params.size();
-        if (grads.size() != count || steps.size() != count || numels.size() != count)
-          throw std::invalid_argument("optim_step: params, grads, steps and numels differ in length");
-        OptimStepArgs args;
-        args.options = optim_options(algorithm, options);
-        args.param_dtype = dtype_from_name(param_dtype);
-        args.lr = static_cast<const float*>(as_pointer(lr));
-        args.increment_steps = increment_steps;
+         std::uintptr_t finish_counter, const std::vector<std::uintptr_t>& schedule, std::uintptr_t layerwise_norms) {
+        OptimStepArgs args =
+            optim_step_args(algorithm, options, param_dtype, lr, increment_steps, state_bits, block_size);
         args.finish_counter = static_cast<uint32_t*>(as_pointer(finish_counter));
-        args.state_bits = state_bits;
-        args.block_size = block_size;
-        const std::size_t state_count = static_cast<std::size_t>(optim_state_count(args.options));
-        if (states.size() != state_count * count)
-          throw std::invalid_argument("optim_step: " + std::to_string(states.size()) + " state addresses for " +
-                                      std::to_string(count) + " tensors of an algorithm that keeps " +
-                                      std::to_string(state_count) + " states each");
-        if (absmax.size() != (state_bits == 8 ? state_count * count : 0))
-          throw std::invalid_argument("optim_step: 8-bit states need one absmax address per state and tensor, "
-                                      "fp32 and bf16 states none; got " + std::to_string(absmax.size()));
-        const std::size_t schedule_size = static_cast<std::size_t>(optim_schedule_size(args.options.algorithm));
-        if (schedule.size() != schedule_size * count)
-          throw std::invalid_argument("optim_step: " + std::to_string(schedule.size()) + " schedule addresses for " +
-                                      std::to_string(count) + " tensors of an algorithm that keeps " +
-                                      std::to_string(schedule_size) + " schedule values each");
-        std::vector<OptimTensor> tensors(count);
-        for (std::size_t t = 0; t < count; ++t) {
-          tensors[t].param = as_pointer(params[t]);
-          tensors[t].grad = as_pointer(grads[t]);
-          for (std::size_t j = 0; j < state_count; ++j) {
-            void* state = as_pointer(states[j * count + t]);
-            if (state_bits == 8) {
-              tensors[t].codes[j] = static_cast<uint8_t*>(state);
-              tensors[t].absmax[j] = static_cast<float*>(as_pointer(absmax[j * count + t]));
-            } else {
-              tensors[t].state[j] = state;
-            }
-          }
-          tensors[t].step = static_cast<float*>(as_pointer(steps[t]));
-          for (std::size_t j = 0; j < schedule_size; ++j)
-            tensors[t].schedule[j] = static_cast<double*>(as_pointer(schedule[j * count + t]));
-          tensors[t].numel = numels[t];
-        }
+        args.layerwise_norms = static_cast<const float*>(as_pointer(layerwise_norms));
+        const std::vector<OptimTensor> tensors =
+            optim_tensors("optim_step", args, params, grads, states, absmax, steps, numels, schedule);
+        const int count = static_cast<int>(tensors.size());
         run_on(
             device_type, device_index,
-            [&] {
-              optim_step_cpu(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes);
-            },
+            [&] { optim_step_cpu(args, tensors.data(), count, as_pointer(workspace), workspace_bytes); },
             [&] {
               args.error = device_error_record();  // a NaN or negative lr found by the kernels is reported there
-              optim_step_cuda(args, tensors.data(), static_cast<int>(count), as_pointer(workspace), workspace_bytes,
+              optim_step_cuda(args, tensors.data(), count, as_pointer(workspace), workspace_bytes,
                               reinterpret_cast<StreamHandle>(stream));
             });
       },
@@ -312,13 +336,51 @@ NB_MODULE(_C, m) {
       nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
       nb::arg("absmax"), nb::arg("steps"), nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"),
       nb::arg("increment_steps"), nb::arg("state_bits"), nb::arg("block_size"), nb::arg("finish_counter"),
-      nb::arg("schedule") = std::vector<std::uintptr_t>{},
+      nb::arg("schedule") = std::vector<std::uintptr_t>{}, nb::arg("layerwise_norms") = std::uintptr_t{0},
       "states: the fp32 state addresses (bf16 with state_bits=16), or with state_bits=8 the codes' (uint8), state "
       "by state: state j of tensor t at j * len(params) + t; absmax the same for the 8-bit scales (empty for fp32 "
       "and bf16 states). "
       "finish_counter: CUDA, the address of a zeroed uint32 (OptimStepArgs::finish_counter), or 0. "
       "schedule: the float64 schedule values' addresses (OptimTensor::schedule), value j of tensor t at "
-      "j * len(params) + t.");
+      "j * len(params) + t. "
+      "layerwise_norms: LAMB/LARS on shards, the address of 2 float32 per tensor (param², update² of the whole "
+      "tensor, the shards' optim_layerwise_norms summed in a fixed order), on the params' device; the step forms "
+      "its factors from them instead of measuring. 0: none (the step measures).");
+
+  m.def(
+      "optim_layerwise_norms",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, const std::string& algorithm,
+         const std::map<std::string, double>& options, const std::string& param_dtype, std::uintptr_t lr,
+         const std::vector<std::uintptr_t>& params, const std::vector<std::uintptr_t>& grads,
+         const std::vector<std::uintptr_t>& states, const std::vector<std::uintptr_t>& absmax,
+         const std::vector<std::uintptr_t>& steps, const std::vector<int64_t>& numels, std::uintptr_t workspace,
+         std::size_t workspace_bytes, bool increment_steps, int state_bits, int block_size, std::uintptr_t norms) {
+        OptimStepArgs args =
+            optim_step_args(algorithm, options, param_dtype, lr, increment_steps, state_bits, block_size);
+        const std::vector<OptimTensor> tensors =
+            optim_tensors("optim_layerwise_norms", args, params, grads, states, absmax, steps, numels, {});
+        const int count = static_cast<int>(tensors.size());
+        auto* out = static_cast<float*>(as_pointer(norms));
+        run_on(
+            device_type, device_index,
+            [&] {
+              optim_layerwise_norms_cpu(args, tensors.data(), count, as_pointer(workspace), workspace_bytes, out);
+            },
+            [&] {
+              args.error = device_error_record();
+              optim_layerwise_norms_cuda(args, tensors.data(), count, as_pointer(workspace), workspace_bytes, out,
+                                         reinterpret_cast<StreamHandle>(stream));
+            });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
+      nb::arg("param_dtype"), nb::arg("lr"), nb::arg("params"), nb::arg("grads"), nb::arg("states"),
+      nb::arg("absmax"), nb::arg("steps"), nb::arg("numels"), nb::arg("workspace"), nb::arg("workspace_bytes"),
+      nb::arg("increment_steps"), nb::arg("state_bits"), nb::arg("block_size"), nb::arg("norms"),
+      "LAMB/LARS on shards, phase 1: writes each tensor's squared norms (param², update²: 2 float32 per tensor, in "
+      "order) to the address `norms` on the params' device, as the step with the same arguments would measure them "
+      "(with increment_steps, for step + 1; the steps are not changed), and nothing else. The arguments are "
+      "optim_step's; workspace as optim_workspace_bytes asks. Sum the shards' norms in a fixed order and pass the "
+      "totals' address to optim_step(layerwise_norms=...).");
 
   m.def(
       "quantization_map", [](bool is_signed) {

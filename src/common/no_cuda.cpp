@@ -20,6 +20,10 @@ DeviceErrorRecord* device_error_record() { no_cuda(); }
 std::string take_device_error(bool) { return {}; }
 std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
 void optim_step_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, StreamHandle) { no_cuda(); }
+void optim_layerwise_norms_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, float*,
+                                StreamHandle) {
+  no_cuda();
+}
 void quantize_blockwise_cuda(const float*, int64_t, int, bool, uint8_t*, float*, StreamHandle) { no_cuda(); }
 void dequantize_blockwise_cuda(const uint8_t*, const float*, int64_t, int, bool, float*, StreamHandle) { no_cuda(); }
 void embedding_lookup_cuda(const EmbeddingLookupArgs&, void*, DeviceErrorRecord*, StreamHandle) { no_cuda(); }

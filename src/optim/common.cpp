@@ -132,6 +132,10 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
     throw std::invalid_argument(std::string("optimizer parameters must be float32, float16 or bfloat16, got ") +
                                 dtype_name(a.param_dtype));
   if (a.lr == nullptr) throw std::invalid_argument("optimizer step: lr pointer is null");
+  if (a.layerwise_norms != nullptr && !is_layerwise(a.options.algorithm))
+    throw std::invalid_argument(std::string("optimizer step: layerwise_norms given for ") +
+                                optim_algorithm_spec(a.options.algorithm).name +
+                                ", which is not a layer-wise algorithm (LAMB, LARS)");
   if (a.state_bits != 32 && a.state_bits != 16 && a.state_bits != 8)
     throw std::invalid_argument("optimizer step: state_bits must be 32, 16 or 8, got " + std::to_string(a.state_bits));
   if (a.state_bits == 8 && !valid_block_size(a.block_size))
@@ -164,6 +168,16 @@ void optim_detail::check_step_args(const OptimStepArgs& a, const OptimTensor* te
                                     " is null");
     }
   }
+}
+
+void optim_detail::check_layerwise_norms_args(const OptimStepArgs& a, const OptimTensor* tensors, int count,
+                                              const float* norms) {
+  if (!is_layerwise(a.options.algorithm))
+    throw std::invalid_argument(std::string("optim_layerwise_norms: ") +
+                                optim_algorithm_spec(a.options.algorithm).name +
+                                " is not a layer-wise algorithm (LAMB, LARS)");
+  check_step_args(a, tensors, count);
+  if (count > 0 && norms == nullptr) throw std::invalid_argument("optim_layerwise_norms: norms pointer is null");
 }
 
 void optim_check_learning_rate_cpu(const float* lr) {

@@ -158,11 +158,11 @@ void elementwise(const OptimOptions& o, const Coefficients& k, const OptimTensor
   });
 }
 
-// LAMB/LARS: pass 1 measures each chunk's squared norms in the shared order (layout.h) and writes nothing;
-// the chunk sums are combined in that order; pass 2 updates.
+// LAMB/LARS pass 1 over one tensor: each chunk's squared norms in the shared order (layout.h), written to
+// chunk_norms, then the chunk sums combined in that order. Writes nothing else (rules.h, layerwise_apply, says why).
 template <class T, int States, OptimAlgorithm A>
-void layerwise_tensor(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
-                      float* chunk_norms, float* factor) {
+SquaredNorms measure_tensor(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
+                            float* chunk_norms) {
   const int64_t chunks = chunk_count(t.numel);
   for_each_index(chunks, t.numel, [&](int64_t c) {
     NormTree tree;
@@ -178,15 +178,25 @@ void layerwise_tensor(const OptimOptions& o, const Coefficients& k, const OptimT
     tree.add(static_cast<int>(c % kNormThreads), chunk_norms[2 * c], chunk_norms[2 * c + 1]);
   SquaredNorms total{0.0f, 0.0f};
   tree.total(total.param, total.update);
+  return total;
+}
+
+// LAMB/LARS: the tensor's squared norms, measured (pass 1) or, on shards, the caller's totals (given: 2 floats,
+// OptimStepArgs::layerwise_norms); its factor from them; pass 2 updates.
+template <class T, int States, OptimAlgorithm A>
+void layerwise_tensor(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
+                      float* chunk_norms, const float* given, float* factor) {
+  const SquaredNorms total =
+      given != nullptr ? SquaredNorms{given[0], given[1]} : measure_tensor<T, States, A>(o, k, t, a, chunk_norms);
   const float f = *factor = layerwise_factor(o, k, total);
   update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { layerwise_apply<A>(o, k, f, g, p, s); });
 }
 
 template <class T, int States>
 void layerwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
-               float* chunk_norms, float* factor) {
+               float* chunk_norms, const float* given, float* factor) {
   with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
-    layerwise_tensor<T, States, decltype(algorithm)::value>(o, k, t, a, chunk_norms, factor);
+    layerwise_tensor<T, States, decltype(algorithm)::value>(o, k, t, a, chunk_norms, given, factor);
   });
 }
 
@@ -202,11 +212,31 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
     const double weight = schedule > 0 ? advance_schedule_at(o, lr, step, tensors[t].schedule, schedule) : 0.0;
     const Coefficients k = coefficients(o, lr, step, weight);
     if (is_layerwise(o.algorithm)) {
-      layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base, workspace + factors_offset + t);
+      const float* given = a.layerwise_norms != nullptr ? a.layerwise_norms + 2 * t : nullptr;
+      layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base, given, workspace + factors_offset + t);
       chunk_base += chunk_count(tensors[t].numel);
     } else {
       elementwise<T, States>(o, k, tensors[t], a);
     }
+  }
+}
+
+// optim_layerwise_norms_cpu: each tensor's measured norms, with the coefficients of the step number the step will
+// use (the layer-wise algorithms keep no schedule).
+template <class T, int States>
+void measure_all(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, float* norms) {
+  const OptimOptions& o = a.options;
+  int64_t chunk_base = 0;
+  for (int t = 0; t < count; ++t) {
+    const float step = a.increment_steps ? *tensors[t].step + 1.0f : *tensors[t].step;
+    const Coefficients k = coefficients(o, *a.lr, step);
+    with_layerwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+      const SquaredNorms n = measure_tensor<T, States, decltype(algorithm)::value>(o, k, tensors[t], a,
+                                                                                    workspace + 2 * chunk_base);
+      norms[2 * t] = n.param;
+      norms[2 * t + 1] = n.update;
+    });
+    chunk_base += chunk_count(tensors[t].numel);
   }
 }
 
@@ -238,6 +268,19 @@ void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int coun
   with_param_type(a.param_dtype, [&](auto type) {
     with_state_count(a.options, [&](auto states) {
       run<typename decltype(type)::type, decltype(states)::value>(a, tensors, count, ws, layout.factors_offset);
+    });
+  });
+}
+
+void optim_layerwise_norms_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
+                               std::size_t workspace_bytes, float* norms) {
+  check_layerwise_norms_args(a, tensors, count, norms);
+  check_learning_rate(*a.lr);  // as the step refuses it, before anything is written
+  check_workspace(Backend::Cpu, a, tensors, count, workspace, workspace_bytes);
+  auto* ws = static_cast<float*>(workspace);
+  with_param_type(a.param_dtype, [&](auto type) {
+    with_state_count(a.options, [&](auto states) {
+      measure_all<typename decltype(type)::type, decltype(states)::value>(a, tensors, count, ws, norms);
     });
   });
 }

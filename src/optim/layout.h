@@ -66,6 +66,9 @@ inline LayerwiseLayout layerwise_layout(const int64_t* numels, int count) {
 // Validates options, dtype and every tensor's pointers; throws std::invalid_argument (both backends).
 void check_step_args(const OptimStepArgs& args, const OptimTensor* tensors, int count);
 
+// check_step_args for optim_layerwise_norms_*, which also needs a layer-wise algorithm and a norms pointer.
+void check_layerwise_norms_args(const OptimStepArgs& args, const OptimTensor* tensors, int count, const float* norms);
+
 // Whether a step may run with this learning rate: >= 0, +inf included (NaN and negative values are refused, as
 // torch refuses them). The CPU checks it on the host (check_learning_rate), the CUDA kernels on the device.
 GS_HD bool usable_learning_rate(float lr) { return lr >= 0.0f; }

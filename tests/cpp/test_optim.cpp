@@ -1,7 +1,9 @@
 // The optimizer core through its C++ API: skip_zeros leaves skipped elements bit-identical for every
-// algorithm, repeated runs agree bitwise, and (with a GPU) the CUDA backend matches the CPU backend.
+// algorithm, repeated runs agree bitwise, (with a GPU) the CUDA backend matches the CPU backend, and LAMB/LARS's
+// two phases on shards (optim_layerwise_norms_cpu, OptimStepArgs::layerwise_norms) give the plain step's bits.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -12,7 +14,9 @@
 
 #include "graphsafe/errors.h"
 #include "graphsafe/optim.h"
+#include "emulation/layerwise_problem.h"
 #include "optim/blockwise.h"
+#include "optim/layout.h"
 #include "optim/rules.h"
 
 #if defined(GRAPHSAFE_WITH_CUDA)
@@ -473,4 +477,140 @@ TEST(OptimTable, OptionsAreTheAlgorithmsOwn) {
   EXPECT_TRUE(o.skip_zeros);
   EXPECT_THROW(set_optim_option(o, "beta1", 0.9), std::invalid_argument);  // not an SGD option
   EXPECT_THROW(set_optim_option(o, "no_such_option", 1.0), std::invalid_argument);
+}
+
+// ---- LAMB and LARS on shards: optim_layerwise_norms_cpu, then the step given the summed norms ----
+
+namespace {
+using namespace graphsafe::layerwise_test;
+
+struct ShardCase {
+  OptimAlgorithm algorithm;
+  DType dtype;
+  int state_bits;
+  std::string name() const {
+    return std::string(optim_algorithm_spec(algorithm).name) + " " + dtype_name(dtype) + " " +
+           std::to_string(state_bits) + "-bit states";
+  }
+};
+
+// LAMB and LARS, fp32 and bf16 parameters, 32/16/8-bit states, skip_zeros on, weight decay (and LARS momentum).
+std::vector<ShardCase> shard_cases() {
+  std::vector<ShardCase> cases;
+  for (OptimAlgorithm a : {OptimAlgorithm::LAMB, OptimAlgorithm::LARS})
+    for (DType dtype : {DType::Float32, DType::BFloat16})
+      for (int bits : {32, 16, 8}) cases.push_back({a, dtype, bits});
+  return cases;
+}
+
+OptimOptions shard_options(OptimAlgorithm a) {
+  OptimOptions o = options_for(a, true);
+  o.trust_coefficient = 0.02;
+  return o;
+}
+
+bool near(double a, double b, double tolerance) { return std::fabs(a - b) <= tolerance * std::fabs(b); }
+}  // namespace
+
+// (a) Phase 1 then the step given its norms is the plain step, bit for bit (params, states, steps), with and
+// without increment_steps, over several tensors (more than a chunk, an empty one); (c) phase 1 writes nothing.
+TEST(OptimLayerwiseNorms, NormsThenTheGivenStepIsThePlainStep) {
+  for (const ShardCase& c : shard_cases()) {
+    for (bool increment : {true, false}) {
+      const Problem start = make_problem(shard_options(c.algorithm), c.dtype, c.state_bits, {12800, 0, 4097, 300}, 7);
+      Problem plain = start, two_phase = start;
+      cpu_step(plain, increment);
+      const std::vector<float> norms = cpu_norms(two_phase, increment);
+      for (int t = 0; t < start.count(); ++t)
+        EXPECT_TRUE(same_bits(two_phase.tensors[t], start.tensors[t])) << c.name() << ": phase 1 wrote tensor " << t;
+      EXPECT_TRUE(norms[2] == 0.0f && norms[3] == 0.0f) << c.name() << ": the empty tensor's norms";
+      for (float n : norms) EXPECT_TRUE(std::isfinite(n) && n >= 0.0f) << c.name();
+      cpu_step(two_phase, increment, norms.data());
+      for (int t = 0; t < start.count(); ++t)
+        EXPECT_TRUE(same_bits(two_phase.tensors[t], plain.tensors[t]))
+            << c.name() << " increment " << increment << ": tensor " << t << " differs from the plain step";
+    }
+  }
+}
+
+// (b) A tensor of 200 rows of 64 in two shards of 100 rows, each with its own states: the partials measured per
+// shard and added in shard order, each shard stepped with the totals. Both shards get the same factor,
+// layerwise_factor of the totals; the shards together are the whole tensor stepped with those totals, bit for
+// bit; and they differ from the whole tensor's plain step only by the order its norms were added in.
+TEST(OptimLayerwiseNorms, ShardsSteppedWithSummedPartialsMatchTheWholeTensor) {
+  const int64_t rows = 200, cols = 64, half = rows / 2 * cols;  // 6400: a multiple of the 8-bit block (256)
+  for (const ShardCase& c : shard_cases()) {
+    const OptimOptions o = shard_options(c.algorithm);
+    const Problem whole = make_problem(o, c.dtype, c.state_bits, {rows * cols}, 11);
+    Problem shards = whole;
+    shards.tensors = {slice(whole, whole.tensors[0], 0, half), slice(whole, whole.tensors[0], half, rows * cols)};
+    const std::vector<float> partials = cpu_norms(shards, true);
+    const float totals[2] = {partials[0] + partials[2], partials[1] + partials[3]};
+    const float given[4] = {totals[0], totals[1], totals[0], totals[1]};
+    const std::vector<float> workspace = cpu_step(shards, true, given);
+
+    // The norms and the factor against docs/optim.md's formulas at the step's number (3 + 1).
+    const std::array<double, 2> reference = reference_norms(whole, whole.tensors[0], 4.0);
+    EXPECT_TRUE(near(totals[0], reference[0], 1e-5) && near(totals[1], reference[1], 1e-5))
+        << c.name() << ": " << totals[0] << ", " << totals[1] << " against " << reference[0] << ", " << reference[1];
+    const int64_t numels[2] = {half, half};
+    const std::size_t factors = optim_detail::layerwise_layout(numels, 2).factors_offset;
+    const float factor = optim_detail::layerwise_factor(o, optim_detail::coefficients(o, whole.lr, 4.0f),
+                                                        optim_detail::SquaredNorms{totals[0], totals[1]});
+    EXPECT_EQ(bits(workspace[factors]), bits(factor)) << c.name();
+    EXPECT_EQ(bits(workspace[factors + 1]), bits(factor)) << c.name();
+    EXPECT_TRUE(near(factor, reference_factor(o, reference[0], reference[1]), 1e-5)) << c.name();
+
+    Problem whole_given = whole, whole_plain = whole;
+    cpu_step(whole_given, true, totals);
+    EXPECT_TRUE(same_bits(slice(whole_given, whole_given.tensors[0], 0, half), shards.tensors[0])) << c.name();
+    EXPECT_TRUE(same_bits(slice(whole_given, whole_given.tensors[0], half, rows * cols), shards.tensors[1]))
+        << c.name();
+
+    Problem measured = whole;
+    const std::vector<float> whole_norms = cpu_norms(measured, true);
+    EXPECT_TRUE(near(totals[0], whole_norms[0], 1e-6) && near(totals[1], whole_norms[1], 1e-6)) << c.name();
+    cpu_step(whole_plain, true);
+    double diff = 0.0, norm = 0.0;
+    int apart = 0;  // bf16 parameters: elements more than one bf16 step apart
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const double a = load_element(c.dtype, whole_plain.tensors[0].param, i);
+      const double b = load_element(c.dtype, whole_given.tensors[0].param, i);
+      diff += (a - b) * (a - b);
+      norm += a * a;
+      if (c.dtype == DType::BFloat16) {
+        const auto* x = reinterpret_cast<const uint16_t*>(whole_plain.tensors[0].param.data());
+        const auto* y = reinterpret_cast<const uint16_t*>(whole_given.tensors[0].param.data());
+        apart += std::abs(int(x[i]) - int(y[i])) > 1;
+      }
+    }
+    if (c.dtype == DType::Float32) EXPECT_LE(std::sqrt(diff / norm), 1e-6) << c.name();
+    EXPECT_EQ(apart, 0) << c.name();
+  }
+}
+
+// Phase 1 writes its 2 floats per tensor and nothing past them; it is refused for element-wise algorithms, as is
+// a step given norms, and for an unusable learning rate (before writing anything).
+TEST(OptimLayerwiseNorms, WritesOnlyItsNormsAndRefusesWhatTheStepRefuses) {
+  Problem p = make_problem(shard_options(OptimAlgorithm::LAMB), DType::Float32, 32, {5000, 17}, 3);
+  std::vector<float> norms(5, NAN), workspace(p.workspace_bytes(Backend::Cpu) / 4 + 1);
+  std::vector<OptimTensor> views = p.views();
+  optim_layerwise_norms_cpu(p.args(true), views.data(), 2, workspace.data(), p.workspace_bytes(Backend::Cpu),
+                            norms.data());
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(std::isnan(norms[i]));
+  EXPECT_TRUE(std::isnan(norms[4]));
+  for (float lr : {std::nanf(""), -1.0f}) {
+    p.lr = lr;
+    std::vector<float> untouched(4, -5.0f);
+    EXPECT_THROW(optim_layerwise_norms_cpu(p.args(true), views.data(), 2, workspace.data(),
+                                           p.workspace_bytes(Backend::Cpu), untouched.data()),
+                 std::invalid_argument);
+    EXPECT_EQ(untouched, std::vector<float>(4, -5.0f));
+  }
+  Problem adamw = make_problem(options_for(OptimAlgorithm::AdamW, true), DType::Float32, 32, {100}, 3);
+  std::vector<OptimTensor> adamw_views = adamw.views();
+  EXPECT_THROW(optim_layerwise_norms_cpu(adamw.args(true), adamw_views.data(), 1, nullptr, 0, norms.data()),
+               std::invalid_argument);
+  EXPECT_THROW(optim_step_cpu(adamw.args(true, norms.data()), adamw_views.data(), 1, nullptr, 0),
+               std::invalid_argument);
 }

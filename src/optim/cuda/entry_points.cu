@@ -1,6 +1,6 @@
 // The CUDA optimizer backend's entry points (graphsafe/optim.h): the step (its checks, the steps counted and the
-// schedules advanced ahead of the updates, then the kernel family of its algorithm and state width: launchers.h) and the standalone 8-bit
-// quantisation and dequantisation.
+// schedules advanced ahead of the updates, then the kernel family of its algorithm and state width: launchers.h), the
+// layer-wise norms of a sharded step's first phase, and the standalone 8-bit quantisation and dequantisation.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -130,6 +130,14 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
   } else {
     launch_elementwise_step(a, tensors, count, schedule_weights, s);
   }
+}
+
+void optim_layerwise_norms_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
+                                std::size_t workspace_bytes, float* norms, StreamHandle stream) {
+  check_layerwise_norms_args(a, tensors, count, norms);
+  check_workspace(Backend::Cuda, a, tensors, count, workspace, workspace_bytes);
+  if (count == 0) return;
+  launch_layerwise_norms(a, tensors, count, static_cast<float*>(workspace), norms, static_cast<cudaStream_t>(stream));
 }
 
 void quantize_blockwise_cuda(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,

@@ -21,7 +21,13 @@ void launch_quantized_elementwise_step(const OptimStepArgs& a, const OptimTensor
 
 // layerwise.cu: LAMB and LARS at any state width, three kernels per launch table; workspace holds the chunks'
 // squared norms and, from factors_offset (in floats), the tensors' factors (layout.h, LayerwiseLayout).
+// With a.layerwise_norms the factors come from those totals instead of the measuring pass.
 void launch_layerwise_step(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
                            std::size_t factors_offset, cudaStream_t stream);
+
+// layerwise.cu: optim_layerwise_norms_cuda's kernels, the step's measuring pass into workspace (the chunks'
+// partials) and then each tensor's 2 norms into norms.
+void launch_layerwise_norms(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
+                            float* norms, cudaStream_t stream);
 
 }  // namespace graphsafe::optim_detail

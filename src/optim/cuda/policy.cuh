@@ -87,6 +87,8 @@ struct LayerwisePolicy {
   // 8-bit one 48 registers or 62 depending on OptimOptions' size (three more doubles for AdamWScheduleFree),
   // and at 62 (4 blocks per SM) the 8-bit LAMB step took 25% longer on the H200.
   static constexpr int kMeasureMinBlocksPerSM = 5;
+  // optim_layerwise_norms_cuda's combining kernel takes this many tensors' chunk ranges (8 bytes each) a launch.
+  static constexpr int kNormRangesPerLaunch = (LaunchTablePolicy::kArgumentBytes - 64) / 8 - 1;
   static constexpr int apply_min_blocks_per_sm(int bits) {
     return bits == 8 ? QuantizedLoopPolicy::kMinBlocksPerSM : ElementwisePolicy::kMinBlocksPerSM;
   }

@@ -4,7 +4,8 @@
 // 16-byte alignment, more tensors than one launch holds (5 to 9 here: tests/cpp/CMakeLists.txt), and empty
 // tensors; bf16 states (state_bits = 16);
 // and 8-bit states (state_bits = 8) with block sizes 32 to 1024; steps counted by the update kernels (a finish counter) or by a
-// launch ahead; schedules (advanced by the launch ahead); NaN and ±inf gradient elements (8-bit states: the same codes and scales on both backends); and a
+// launch ahead; schedules (advanced by the launch ahead); NaN and ±inf gradient elements (8-bit states: the same codes and scales on both backends); LAMB/LARS's
+// two phases on shards (optim_layerwise_norms_cuda, OptimStepArgs::layerwise_norms); and a
 // NaN or negative learning rate, which every kernel must refuse without writing anything. This is CI's check of the
 // kernels' logic (indexing, barriers, shared memory, launch tables); the GPU itself is checked by
 // tests/python/test_optim_cuda_*.py on a device.
@@ -19,6 +20,7 @@
 #include "common/numeric.h"
 #include "graphsafe/errors.h"
 #include "graphsafe/optim.h"
+#include "layerwise_problem.h"
 
 using namespace graphsafe;
 
@@ -441,6 +443,70 @@ TEST(OptimKernelsEmulated, AnInvalidLearningRateWritesNothingAndIsRecorded) {
           }
         }
       }
+    }
+  }
+}
+
+// LAMB and LARS on shards, against the CPU: optim_layerwise_norms_cuda's norms, and the step given norms
+// (OptimStepArgs::layerwise_norms: params, states or codes and scales, steps), bit for bit; with more tensors than
+// a launch holds (the step's tables take 6 to 9 here; the norms' chunk ranges 66) and empty tensors; phase 1
+// writes nothing but its norms. With an unusable learning rate neither phase writes anything, and both report it.
+TEST(OptimKernelsEmulated, LayerwiseNormsAndTheStepGivenThemMatchTheCpu) {
+  using namespace graphsafe::layerwise_test;
+  struct Case { OptimAlgorithm algorithm; DType dtype; int state_bits, tensors; };
+  const Case cases[] = {{OptimAlgorithm::LAMB, DType::Float32, 32, 70}, {OptimAlgorithm::LARS, DType::BFloat16, 16, 20},
+                        {OptimAlgorithm::LAMB, DType::BFloat16, 8, 20}, {OptimAlgorithm::LARS, DType::Float32, 8, 20},
+                        {OptimAlgorithm::LAMB, DType::Float16, 16, 12}, {OptimAlgorithm::LARS, DType::Float32, 32, 12}};
+  for (const Case& c : cases) {
+    const std::string what = std::string(optim_algorithm_spec(c.algorithm).name) + " " + dtype_name(c.dtype) + " " +
+                             std::to_string(c.state_bits) + "-bit states";
+    std::mt19937 rng(31 + c.tensors + c.state_bits);
+    std::vector<int64_t> numels(c.tensors < kMaxTensors ? c.tensors : kMaxTensors);
+    for (std::size_t t = 0; t < numels.size(); ++t) {
+      const int kind = t == 1 ? 0 : rng() % 6;  // tensor 1 is empty; tensor 0 takes several chunks
+      numels[t] = kind == 0 ? 0 : (t == 0 || kind == 1) ? 4096 * (1 + rng() % kLargeChunks) + rng() % 7
+                                                        : 1 + rng() % kSmallNumel;
+    }
+    OptimOptions o;
+    o.algorithm = c.algorithm;
+    o.weight_decay = 0.1;
+    o.momentum = 0.9;
+    o.trust_coefficient = 0.02;
+    o.skip_zeros = true;
+    Problem cpu = make_problem(o, c.dtype, c.state_bits, numels, 17 + c.tensors), emu = cpu;
+    const Problem start = cpu;
+    const std::vector<float> norms_cpu = cpu_norms(cpu, true);
+    const std::size_t bytes = emu.workspace_bytes(Backend::Cuda);
+    std::vector<float> workspace(bytes / 4 + 1, NAN), norms_emu(norms_cpu.size() + 1, NAN);
+    std::vector<OptimTensor> views = emu.views();
+    optim_layerwise_norms_cuda(emu.args(true), views.data(), emu.count(), workspace.data(), bytes, norms_emu.data(),
+                               nullptr);
+    EXPECT_EQ(std::memcmp(norms_emu.data(), norms_cpu.data(), norms_cpu.size() * 4), 0) << what << ": the norms";
+    EXPECT_TRUE(std::isnan(norms_emu.back())) << what << ": written past the last tensor's norms";
+    for (int t = 0; t < emu.count(); ++t)
+      EXPECT_TRUE(same_bits(emu.tensors[t], start.tensors[t])) << what << ": phase 1 wrote tensor " << t;
+
+    cpu_step(cpu, true, norms_cpu.data());
+    optim_step_cuda(emu.args(true, norms_emu.data()), views.data(), emu.count(), workspace.data(), bytes, nullptr);
+    for (int t = 0; t < emu.count(); ++t)
+      EXPECT_TRUE(same_bits(emu.tensors[t], cpu.tensors[t])) << what << ": tensor " << t << " after the step";
+
+    const Problem before = emu;
+    for (float lr : {NAN, -1.0f}) {
+      emu.lr = lr;
+      DeviceErrorRecord record{0, 0, 0};
+      OptimStepArgs args = emu.args(true);
+      args.error = &record;
+      std::vector<float> untouched(norms_cpu.size(), -5.0f);
+      optim_layerwise_norms_cuda(args, views.data(), emu.count(), workspace.data(), bytes, untouched.data(), nullptr);
+      EXPECT_EQ(untouched, std::vector<float>(norms_cpu.size(), -5.0f)) << what;
+      EXPECT_EQ(record.code, int64_t(DeviceErrorCode::InvalidLearningRate)) << what;
+      record = DeviceErrorRecord{0, 0, 0};
+      args.layerwise_norms = norms_cpu.data();
+      optim_step_cuda(args, views.data(), emu.count(), workspace.data(), bytes, nullptr);
+      EXPECT_EQ(record.code, int64_t(DeviceErrorCode::InvalidLearningRate)) << what;
+      for (int t = 0; t < emu.count(); ++t)
+        EXPECT_TRUE(same_bits(emu.tensors[t], before.tensors[t])) << what << ": lr " << lr << " wrote tensor " << t;
     }
   }
 }
