@@ -66,6 +66,12 @@ def _add_train(commands) -> None:
                        help="train twice from the seed and compare the final parameters bitwise")
     train.add_argument("--compare-torch", action="store_true",
                        help="also time a plain eager PyTorch loop (torch.nn.Embedding, torch.optim.AdamW, fused on cuda)")
+    train.add_argument("--nproc", type=_positive_int,
+                       help="train data-parallel in N local processes started here (gloo on cpu, NCCL on cuda with one "
+                            "GPU per rank); or run under torchrun instead (docs/multi-gpu.md)")
+    train.add_argument("--parallel", choices=("none", "ddp", "fsdp2"),
+                       help="data parallelism across the processes: ddp (gradient all-reduce inside the compiled step; "
+                            "the default with several processes) or fsdp2 (fully_shard, run eagerly)")
     train.set_defaults(handler=_run_train, parser=train)
 
 
@@ -182,24 +188,78 @@ def _run_train(args: argparse.Namespace) -> int:
     from .trainer.run import ConfigError, check_config
 
     device = resolve_device(args.device)
+    nproc, parallel = _processes(args, device)
     config = default_config(
         str(device), model=args.model, moe=args.moe, optimizer=args.optimizer, lr=args.lr, state_bits=args.state_bits,
         skip_zeros=args.skip_zeros, mode=args.mode, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers, matmul=args.matmul,
-        check_determinism=args.check_determinism, compare_torch=args.compare_torch,
+        check_determinism=args.check_determinism, compare_torch=args.compare_torch, parallel=parallel,
     )
     try:
         check_config(config)
     except ConfigError as exc:
         args.parser.error(str(exc))
+    if nproc > 1:
+        from .trainer.parallel import launch
+
+        # The ranks parse the same arguments (the last --parallel and --device win), and know from their
+        # environment that they are ranks of this launch.
+        return launch(nproc, [*args.argv, "--parallel", parallel, "--device", device.type])
     try:
-        train(config)
+        train(config)  # the result (models, steps) is dropped here, before the process group is left
     except (MemoryError, RuntimeError) as exc:  # check_config's memory estimate is only a lower bound
         if not _out_of_memory(exc):
             raise
         args.parser.exit(1, f"{args.parser.prog}: error: out of memory on {device} ({_first_line(exc)}); "
                             "try smaller sizes (--vocab, --dim, --batch-size, --seq-len)\n")
+    if parallel != "none":  # not after a failure: the other ranks may never reach the barrier finish() waits at
+        import gc
+
+        from .trainer.parallel import finish
+
+        gc.collect()
+        finish()
     return 0
+
+
+def _processes(args: argparse.Namespace, device) -> tuple[int, str]:
+    """(processes to start here, parallel mode) from --nproc, --parallel and the environment: 1 when this process is
+    a rank already (torchrun, or a rank of --nproc) or runs alone."""
+    from .trainer.parallel import fsdp2_available, under_launcher
+
+    parallel = args.parallel
+    if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.nproc is not None and os.environ.get("GRAPHSAFE_LAUNCHED") != "1":
+            args.parser.error("--nproc starts the processes itself; under torchrun leave it out "
+                              "(torchrun's --nproc-per-node sets the number of processes)")
+        if parallel == "none" and world > 1:
+            args.parser.error(f"--parallel none in a world of {world} processes would train {world} independent "
+                              "copies; use --parallel ddp or fsdp2")
+        return 1, parallel or "ddp"
+    nproc = args.nproc or 1
+    if parallel is None:
+        parallel = "ddp" if nproc > 1 else "none"
+    if parallel == "none" and nproc > 1:
+        args.parser.error(f"--nproc {nproc} with --parallel none would train {nproc} independent copies; use "
+                          "--parallel ddp or fsdp2")
+    if parallel != "none":
+        import torch.distributed as dist
+
+        backend_ok = dist.is_available() and (dist.is_nccl_available() if device.type == "cuda"
+                                              else dist.is_gloo_available())
+        if not backend_ok:
+            args.parser.error(f"--parallel {parallel} on {device.type} needs torch.distributed with the "
+                              f"{'nccl' if device.type == 'cuda' else 'gloo'} backend, which this torch lacks")
+        if parallel == "fsdp2" and not fsdp2_available():
+            args.parser.error("--parallel fsdp2 needs torch.distributed.fsdp.fully_shard (FSDP2), which this torch lacks")
+    if device.type == "cuda" and nproc > 1:
+        import torch
+
+        count = torch.cuda.device_count()
+        if nproc > count:
+            args.parser.error(f"--nproc {nproc} on cuda needs one GPU per process, but {count} are visible")
+    return nproc, parallel
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -220,6 +280,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.handler(args)
     except KeyboardInterrupt:

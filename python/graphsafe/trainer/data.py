@@ -8,6 +8,10 @@ the chain's entropy (about ln(successors)).
 
 Recommender: (user, item, category, history) rows with Zipf-skewed ids and a click label given by hidden
 ground-truth factors (item popularity plus a user-item affinity), so the tables have something to learn.
+
+Data parallelism: with `world` ranks, every rank draws the global batch of world * batch rows from the seed and
+keeps rows rank * batch .. (rank + 1) * batch - 1. So each rank sees different rows, every run the same ones, and
+the ranks together see exactly the batches of a single process with batch world * batch.
 """
 
 from __future__ import annotations
@@ -65,13 +69,16 @@ class MarkovChain:
 class LMData:
     """Batches (inputs, targets) of next-token prediction on the Markov chain, from a seed."""
 
-    def __init__(self, vocab: int, batch: int, seq_len: int, seed: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, batch: int, seq_len: int, seed: int, device: torch.device, rank: int = 0,
+                 world: int = 1) -> None:
         self.chain = MarkovChain.build(vocab, seed)
         self.batch, self.seq_len, self.device = batch, seq_len, device
+        self.rows = slice(rank * batch, (rank + 1) * batch)
+        self.world = world
         self.gen = torch.Generator().manual_seed(seed + 1)
 
     def __next__(self) -> tuple[Tensor, Tensor]:
-        tokens = self.chain.sample(self.batch, self.seq_len + 1, self.gen)
+        tokens = self.chain.sample(self.batch * self.world, self.seq_len + 1, self.gen)[self.rows]
         return tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)
 
     def describe(self) -> str:
@@ -86,7 +93,7 @@ class RecsysData:
     FACTORS = 8
 
     def __init__(self, num_users: int, num_items: int, num_categories: int, batch: int, seed: int,
-                 device: torch.device) -> None:
+                 device: torch.device, rank: int = 0, world: int = 1) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.user_probs, self.item_probs = _zipf_probs(num_users, gen).float(), _zipf_probs(num_items, gen).float()
         self.item_category = torch.randint(1, num_categories, (num_items,), generator=gen)
@@ -94,16 +101,18 @@ class RecsysData:
         self.item_factors = torch.randn(num_items, self.FACTORS, generator=gen)
         self.item_bias = 2.0 * torch.randn(num_items, generator=gen)
         self.batch, self.device = batch, device
+        self.rows = slice(rank * batch, (rank + 1) * batch)
+        self.world = world
         self.gen = torch.Generator().manual_seed(seed + 1)
 
     def __next__(self):
-        b, g = self.batch, self.gen
-        user = torch.multinomial(self.user_probs, b, replacement=True, generator=g)
-        item = torch.multinomial(self.item_probs, b, replacement=True, generator=g)
+        b, g, rows = self.batch * self.world, self.gen, self.rows
+        user = torch.multinomial(self.user_probs, b, replacement=True, generator=g)[rows]
+        item = torch.multinomial(self.item_probs, b, replacement=True, generator=g)[rows]
         history = torch.multinomial(self.item_probs, b * self.HISTORY, replacement=True, generator=g).reshape(b, -1)
         # Variable-length histories, padded with item 0 (the tables' padding_idx).
         lengths = torch.randint(1, self.HISTORY + 1, (b, 1), generator=g)
-        history = torch.where(torch.arange(self.HISTORY) < lengths, history, 0)
+        history = torch.where(torch.arange(self.HISTORY) < lengths, history, 0)[rows]
         logit = self.item_bias[item] + (self.user_factors[user] * self.item_factors[item]).sum(-1) / self.FACTORS ** 0.5
         click = (logit > 0).float()
         category = self.item_category[item]

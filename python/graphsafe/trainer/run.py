@@ -21,8 +21,10 @@ import torch
 
 from .. import optim
 from ..graph import compile_step
+from . import parallel
 from .data import LMData, RecsysData
 from .models import MixtureOfExperts, RecsysModel, TransformerLM, lm_loss, recsys_loss
+from .parallel import PARALLEL_MODES, ParallelContext
 
 __all__ = ["TrainConfig", "TrainResult", "ConfigError", "check_config", "train", "OPTIMIZERS", "MATMUL_PRECISIONS",
            "default_config", "matmul_precision"]
@@ -89,6 +91,7 @@ class TrainConfig:
     check_determinism: bool = False
     compare_torch: bool = False
     progress: bool = True
+    parallel: str = "none"  # "ddp" or "fsdp2": data parallel over the ranks of the process group (parallel.py)
 
 
 def default_config(device: str, **overrides) -> TrainConfig:
@@ -116,6 +119,15 @@ def check_config(config: TrainConfig) -> None:
         raise ConfigError(f"--state-bits must be 32, 16 or 8, got {config.state_bits}")
     if config.moe and config.model != "lm":
         raise ConfigError("--moe applies to --model lm only")
+    if config.parallel not in PARALLEL_MODES:
+        raise ConfigError(f"unknown --parallel {config.parallel!r} ({', '.join(PARALLEL_MODES)})")
+    if config.parallel == "fsdp2":
+        if not parallel.fsdp2_available():
+            raise ConfigError("--parallel fsdp2 needs torch.distributed.fsdp.fully_shard (FSDP2), which this torch lacks")
+        if config.mode in ("full", "piecewise"):
+            raise ConfigError(f"--parallel fsdp2 cannot run --mode {config.mode}: FSDP2's collectives run in module "
+                              "hooks that compile_step cannot trace, so its step runs eagerly (use --mode auto or "
+                              "eager, or --parallel ddp to capture)")
     if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
         raise ConfigError(f"--lr must be a positive finite number, got {config.lr}")
     if not SEED_RANGE[0] <= config.seed <= SEED_RANGE[1]:
@@ -201,14 +213,16 @@ class TrainResult:
     extra: dict = field(default_factory=dict)
 
 
-def _build(config: TrainConfig):
-    """(model, data, loss_fn, model inputs per batch, description), all from config.seed."""
+def _build(config: TrainConfig, ctx: ParallelContext | None = None):
+    """(model, data, loss_fn, model inputs per batch, description), all from config.seed: the same model on
+    every rank, and each rank's rows of the global batch (data.py)."""
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     if config.model == "lm":
         model = TransformerLM(config.vocab, config.dim, config.layers, config.heads, config.seq_len,
                               config.experts if config.moe else 0)
-        data = LMData(config.vocab, config.batch_size, config.seq_len, config.seed, device)
+        data = LMData(config.vocab, config.batch_size, config.seq_len, config.seed, device, rank, world)
         loss_fn, inputs = lm_loss, 1
         what = (f"transformer LM: vocab {config.vocab}, dim {config.dim}, {config.layers} layer"
                 f"{'s' if config.layers != 1 else ''}"
@@ -218,7 +232,7 @@ def _build(config: TrainConfig):
         if config.moe:
             raise ConfigError("--moe applies to --model lm only")
         model = RecsysModel(config.users, config.vocab, 1024, config.dim)
-        data = RecsysData(config.users, config.vocab, 1024, config.batch_size, config.seed, device)
+        data = RecsysData(config.users, config.vocab, 1024, config.batch_size, config.seed, device, rank, world)
         loss_fn, inputs = recsys_loss, 4
         what = f"recommender: {config.users} users, {config.vocab} items, dim {config.dim}"
     else:
@@ -263,14 +277,19 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_loop(step_fn: Callable, data, steps: int, device: torch.device, show: Callable[[int, float, float], None] | None):
+def _run_loop(step_fn: Callable, data, steps: int, device: torch.device, show: Callable[[int, float, float], None] | None,
+              ctx: ParallelContext | None = None):
     stats = RunStats()
     for i in range(1, steps + 1):
         batch = next(data)
         _synchronize(device)
         start = time.perf_counter()
-        loss = float(step_fn(batch))  # reading the loss synchronises, so the time covers the whole step
+        loss_tensor = step_fn(batch)
+        loss = float(loss_tensor)  # reading the loss synchronises, so the time covers the whole step
         stats.step_ms.append((time.perf_counter() - start) * 1e3)
+        if ctx is not None:  # the global batch's loss (the mean of the ranks' losses), outside the timed part
+            loss = parallel.mean_over_ranks(loss_tensor)
+            show = show if ctx.is_main else None
         stats.losses.append(loss)
         if show is not None:
             show(i, loss, stats.step_ms[-1])
@@ -291,13 +310,17 @@ class _Progress:
             print(line, flush=True)
 
 
-def _graph_run(config: TrainConfig, show=None, mode: str | None = None) -> TrainResult:
-    model, data, loss_fn, inputs, what = _build(config)
-    optimizer = _optimizer(config, model.parameters())
-    step = compile_step(model, loss_fn, optimizer, mode=mode or config.mode, num_model_inputs=inputs)
+def _graph_run(config: TrainConfig, show=None, mode: str | None = None, ctx: ParallelContext | None = None) -> TrainResult:
+    model, data, loss_fn, inputs, what = _build(config, ctx)
+    trained = parallel.wrap_model(model, ctx) if ctx is not None else model
+    if ctx is not None and ctx.mode == "fsdp2":
+        model = trained  # FSDP2 works on a copy with graphsafe embeddings (parallel.wrap_model)
+    optimizer = _optimizer(config, trained.parameters())
+    step = compile_step(trained, loss_fn, optimizer, mode=mode or config.mode, num_model_inputs=inputs)
     extra = {"model": what, "data": data.describe()}
-    cold = _cold_expert_weights(model)
-    stats = _run_loop(step, data, config.steps, torch.device(config.device), show)
+    # Cold experts' weights are read whole on each rank: not under FSDP2, where each rank holds a shard.
+    cold = _cold_expert_weights(model) if ctx is None or ctx.mode == "ddp" else None
+    stats = _run_loop(step, data, config.steps, torch.device(config.device), show, ctx)
     if cold is not None:
         last_inputs = next(data)[0]
         extra["experts_without_tokens"] = model.experts_without_tokens(last_inputs)
@@ -320,13 +343,17 @@ def _cold_expert_weights(model: torch.nn.Module) -> list[torch.Tensor] | None:
     return None
 
 
-def _torch_baseline(config: TrainConfig) -> tuple[RunStats, torch.optim.Optimizer]:
-    """The same model and data in a plain eager PyTorch loop with torch.optim.AdamW (fused on cuda)."""
-    model, data, loss_fn, inputs, _ = _build(config)
+def _torch_baseline(config: TrainConfig, ctx: ParallelContext | None = None) -> tuple[RunStats, torch.optim.Optimizer]:
+    """The same model and data in a plain eager PyTorch loop with torch.optim.AdamW (fused on cuda), wrapped in
+    DDP or FSDP2 as the graphsafe run is."""
+    model, data, loss_fn, inputs, _ = _build(config, ctx)
+    if ctx is not None:
+        model = parallel.wrap_model(model, ctx)
     device = torch.device(config.device)
     lr = config.lr if config.lr is not None else OPTIMIZERS["adamw"][1]["lr"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, fused=device.type == "cuda")
-    return _run_loop(eager_torch_step(model, loss_fn, optimizer, inputs), data, config.steps, device, None), optimizer
+    return (_run_loop(eager_torch_step(model, loss_fn, optimizer, inputs), data, config.steps, device, None, ctx),
+            optimizer)
 
 
 def eager_torch_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch.optim.Optimizer,
@@ -346,42 +373,90 @@ def eager_torch_step(model: torch.nn.Module, loss_fn: Callable, optimizer: torch
 
 def train(config: TrainConfig) -> TrainResult:
     """Run the configured training and the comparisons it asks for; print progress and the summary.
-    Settings that cannot train raise ConfigError (check_config) before anything is built."""
+    Settings that cannot train raise ConfigError (check_config) before anything is built.
+
+    With config.parallel "ddp" or "fsdp2" this is one rank of a data-parallel run (parallel.py: under torchrun or
+    --nproc, else a world of one): rank 0 prints, and the result of every rank is returned. The process group stays
+    up (the result's model holds it): parallel.finish() leaves it once the result is dropped."""
     check_config(config)
+    ctx = parallel.start(config.parallel, config.device) if config.parallel != "none" else None
+    if ctx is not None:
+        config = replace(config, device=ctx.device)
     device = torch.device(config.device)
     matmul = f", {config.matmul} matmuls" if device.type == "cuda" else ""
-    print(f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {device}{matmul}, {config.optimizer}"
-          f" (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}), mode={config.mode}, "
-          f"{config.steps} steps, seed {config.seed}", flush=True)
+    where = f"{ctx.world_size} x {device.type} ({config.parallel})" if ctx is not None else str(device)
+    _print_main(ctx, f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {where}{matmul}, "
+                f"{config.optimizer} (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}), "
+                f"mode={config.mode}, {config.steps} steps, seed {config.seed}")
     with matmul_precision(config):
-        return _train(config)
+        return _train(config, ctx)
 
 
-def _train(config: TrainConfig) -> TrainResult:
-    result = _graph_run(config, _Progress(config.steps) if config.progress else None)
+def _print_main(ctx: ParallelContext | None, text: str) -> None:
+    if ctx is None or ctx.is_main:
+        print(text, flush=True)
+
+
+def _train(config: TrainConfig, ctx: ParallelContext | None = None) -> TrainResult:
+    result = _graph_run(config, _Progress(config.steps) if config.progress else None, ctx=ctx)
     step = result.step
     if step.captured:  # the same traced graph without capture, for the eager-vs-captured line
-        eager = _graph_run(replace(config, steps=min(config.steps, 20)), mode="eager")
+        eager = _graph_run(replace(config, steps=min(config.steps, 20)), mode="eager", ctx=ctx)
         result.extra["eager_time"] = eager.stats.step_time(1, "the trace")
+    if ctx is not None:
+        comm_ms, what = parallel.communication_ms(step, result.model, ctx)
+        result.extra["communication"] = (comm_ms, what)
+        if ctx.mode == "ddp":
+            result.extra["replicas_differing"] = parallel.replicas_identical(result.model)
     if config.check_determinism:
-        again = _graph_run(config)
+        again = _graph_run(config, ctx=ctx)
         pairs = list(zip(result.model.parameters(), again.model.parameters()))
         differing = sum(1 for a, b in pairs if not _same_bits(a, b))
-        result.extra["determinism"] = (f"bitwise equal ({len(pairs)} parameter tensors, two runs)" if differing == 0
+        where = "two runs"
+        if ctx is not None:  # the most any rank found
+            differing, where = _max_over_ranks(differing), f"two runs, on each of {ctx.world_size} ranks"
+        result.extra["determinism"] = (f"bitwise equal ({len(pairs)} parameter tensors, {where})" if differing == 0
                                        else f"DIFFERENT: {differing} of {len(pairs)} parameter tensors differ")
     if config.compare_torch:
-        torch_stats, torch_opt = _torch_baseline(config)
+        torch_stats, torch_opt = _torch_baseline(config, ctx)
         result.extra["torch_time"] = torch_stats.step_time(1, "warm-up")
         result.extra["torch_final_loss"] = torch_stats.losses[-1]
         result.extra["torch_state_bytes"] = optim.state_bytes(torch_opt)
-    print(summary(result))
+    result.extra["parallel"] = ctx
+    _print_main(ctx, summary(result))
     return result
 
 
+def _max_over_ranks(value: int) -> int:
+    import torch.distributed as dist
+    count = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        count = count.cuda()
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (torch.equal calls -0.0 == +0.0 and NaN != NaN)."""
+    """Bitwise equality (torch.equal calls -0.0 == +0.0 and NaN != NaN); a DTensor's local shards."""
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def _parallel_rows(config: TrainConfig, result: TrainResult, ctx: ParallelContext) -> list[tuple[str, str]]:
+    rows = [("world size", f"{ctx.world_size} ({ctx.describe()}); each rank trains on its own "
+             f"{config.batch_size} rows of a global batch of {config.batch_size * ctx.world_size}")]
+    plan = getattr(result.step, "data_parallel", None)
+    if ctx.mode == "ddp" and plan is not None:
+        total = sum(b.nbytes for b in plan.buckets)
+        rows.append(("parallel", f"ddp: DistributedDataParallel traced without its hooks; the gradient all-reduce is "
+                     f"in the traced step ({len(plan.buckets)} bucket(s) in parameter order, {_mb(total)}, "
+                     f"grad * 1/{ctx.world_size} summed, as DDP's reducer does)"))
+    else:
+        rows.append(("parallel", "fsdp2: fully_shard per block and on the model; parameters, gradients and optimizer "
+                     "states sharded over the ranks; not traced (FSDP2 communicates in module hooks), the step runs "
+                     "eagerly through autograd"))
+    return rows
 
 
 def _mb(count: int) -> str:
@@ -391,6 +466,9 @@ def _mb(count: int) -> str:
 def _mode_label(config: TrainConfig, step) -> tuple[str, str, str]:
     """(the mode that ran as the summary states it, its short form for the step-time row, what the first steps
     did that later steps do not)."""
+    # FSDP2: nothing traced; the first step sets up the module's and the optimizer's state
+    if not getattr(getattr(step, "report", None), "traced", True):
+        return "eager (not traced)", "eager, not traced", "lazy initialisation"
     if not config.device.startswith("cuda"):
         requested = "" if step.mode == "eager" else f"; {step.mode} asked for"
         return f"eager (CPU: no CUDA graphs{requested})", "eager", "the trace"
@@ -416,12 +494,19 @@ def summary(result: TrainResult) -> str:
     report = step.report
     device = config.device + (f" (fp32 matmuls: {config.matmul})" if config.device.startswith("cuda") else "")
     rows = [("model", extra["model"]), ("data", extra["data"]), ("device", device)]
+    ctx = extra.get("parallel")
+    if ctx is not None:
+        rows += _parallel_rows(config, result, ctx)
     label, short, first = _mode_label(config, step)
     rows.append(("mode used", f"{label}: {report.decision}"))
     rows += [("fallback", f) for f in report.fallbacks]
     rewrites = report.rewrite.rewritten
-    rows.append(("rewrites", f"{len(rewrites)} embedding backward(s) -> graphsafe.embedding_backward"
-                 + (f"; {len(report.rewrite.left_alone)} left alone" if report.rewrite.left_alone else "")))
+    if not report.traced:
+        rows.append(("rewrites", "none (not traced): the model's torch.nn.Embedding modules were swapped for "
+                     "graphsafe.nn.Embedding before sharding, the same deterministic backward"))
+    else:
+        rows.append(("rewrites", f"{len(rewrites)} embedding backward(s) -> graphsafe.embedding_backward"
+                     + (f"; {len(report.rewrite.left_alone)} left alone" if report.rewrite.left_alone else "")))
     rows += [("", r.split(": ", 1)[-1]) for r in rewrites]
     rows += [("left alone", f"{n}: {why}") for n, why in report.rewrite.left_alone]
     by_rule = report.gate.by_rule()
@@ -429,8 +514,18 @@ def summary(result: TrainResult) -> str:
     for rule, findings in by_rule.items():
         names = ", ".join(f.node for f in findings[:4]) + (", ..." if len(findings) > 4 else "")
         rows.append((f"  {rule}", f"{names}: {findings[0].reason}"))
-    rows.append(("loss", f"{stats.losses[0]:.4f} -> {stats.losses[-1]:.4f} ({len(stats.losses)} steps)"))
+    over = f"; mean over {ctx.world_size} rank{'s' if ctx.world_size != 1 else ''}" if ctx is not None else ""
+    rows.append(("loss", f"{stats.losses[0]:.4f} -> {stats.losses[-1]:.4f} ({len(stats.losses)} steps{over})"))
     rows.append((f"step time ({short})", stats.step_time(_first_steps(config, step), first)))
+    if "communication" in extra:
+        ms, what = extra["communication"]
+        typical = stats.median_ms(_first_steps(config, step))
+        share = f" ({100 * ms / typical:.0f}% of the step time)" if typical else ""
+        rows.append(("communication", f"{ms:.2f} ms{share}: {what}"))
+    if "replicas_differing" in extra:
+        differing = extra["replicas_differing"]
+        rows.append(("replicas", f"parameters bitwise identical on all {ctx.world_size} ranks" if differing == 0
+                     else f"DIFFERENT: {differing} parameter tensor(s) differ between ranks"))
     if "eager_time" in extra:
         rows.append(("step time (same graph, eager)", extra["eager_time"]))
     if "torch_time" in extra:
@@ -438,6 +533,8 @@ def summary(result: TrainResult) -> str:
                      f"{extra['torch_final_loss']:.4f}"))
     state = optim.state_bytes(result.optimizer)
     line = f"{_mb(state)} ({config.optimizer}, {config.state_bits}-bit states)"
+    if ctx is not None and ctx.mode == "fsdp2":
+        line += ", this rank's shards"
     if "torch_state_bytes" in extra:
         line += f"; torch.optim.AdamW: {_mb(extra['torch_state_bytes'])}"
     rows.append(("optimizer state", line))
