@@ -182,6 +182,8 @@ def _child_main() -> None:
         import torch.distributed as dist
         torch.set_num_threads(1)
         world_size = call["world_size"]
+        if call["backend"] == "nccl":  # one GPU per rank (NCCL needs the device chosen before the group)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(str(run_dir / "store"), world_size)
         dist.init_process_group(call["backend"], store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=max(call["timeout"], 1.0)))

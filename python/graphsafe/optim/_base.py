@@ -30,7 +30,7 @@ from .._tensor_checks import require_readable, unreadable_reason
 from ._fast_path import _FastPath, _shape_of
 from ._learning_rate import _check_lr, _lr_tensor
 from ._persistence import _Persistence
-from ._shards import check_grad, check_param, local_of
+from ._shards import check_grad, check_param, local_of, shard_layouts, whole_tensor_norms
 from ._state_storage import _StateMap, _StateStorage, _check_state_tensors, _check_storage_options, \
     _in_step_form, _state_keys, _storage_bits
 
@@ -44,6 +44,7 @@ _STATE_INITS = {name: {state["name"]: state["init"] for state in spec["states"]}
 # schedule); for the others the core's optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
 _NEEDS_WORKSPACE = frozenset(name for name, spec in _ALGORITHMS.items() if spec["layerwise"] or spec["schedule"])
 # Algorithms with a state that cannot take every storage width (state_bits is checked against the table).
+_LAYERWISE = frozenset(name for name, spec in _ALGORITHMS.items() if spec["layerwise"])
 _STORAGE_LIMITED = frozenset(name for name, spec in _ALGORITHMS.items()
                              if any(len(state["storage_bits"]) < 3 for state in spec["states"]))
 _DTYPE_NAMES = {dtype: dtype_name(dtype) for dtype in _PARAM_DTYPES}  # the core's names
@@ -354,6 +355,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
         state_bits, min_8bit_size, block_size = group["state_bits"], group["min_8bit_size"], group["block_size"]
         strided = torch.strided
         schedule = self._schedule_names
+        keys: dict[int, list[Tensor]] = {}  # per kind, the parameters as the group holds them (DTensors: not local)
         for key, g in pairs:
             p = key  # what the core updates: the parameter, or a DTensor parameter's local shard (and gradient's)
             if type(key) is not Tensor and type(key) is not torch.nn.Parameter:
@@ -378,6 +380,7 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             if not _in_step_form(state, names, bits, block_size, schedule):
                 state = self._state_of(group, key, names, bits)
             kind_params, kind_grads, kind_states, kind_numels = kinds.setdefault(bits, ([], [], [], []))
+            keys.setdefault(bits, []).append(key)
             kind_params.append(p)
             kind_grads.append(g)
             kind_states.append(state)
@@ -388,13 +391,20 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
             calls[bits] = self._kind_call(group, (device, dtype, bits), kind_params, kind_grads, kind_states,
                                           names, tensors, kind_numels, list(map(Tensor.data_ptr, kind_params)),
                                           list(map(_shape_of, kind_params)))
-        return self._issuer(group, device, dtype, options, calls, contiguous_copies)
+        # LAMB/LARS on shards: each call's per-tensor norms summed across the shards (_shards.py)
+        layouts = {bits: shard_layouts(kind_keys) for bits, kind_keys in keys.items()} if self.algorithm in _LAYERWISE \
+            else {}
+        return self._issuer(group, device, dtype, options, calls, contiguous_copies,
+                            {bits: layout for bits, layout in layouts.items() if layout is not None})
 
     def _issuer(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, float],
-                calls: dict[int, tuple], contiguous_copies: list[Tensor]) -> Callable[[], None]:
+                calls: dict[int, tuple], contiguous_copies: list[Tensor],
+                shards: dict[int, list] | None = None) -> Callable[[], None]:
         """The function that issues a bucket's core calls ({state bits: (param, grad, state, absmax and step
         addresses, numels, schedule addresses)}, the state, absmax and schedule addresses value by value), once
-        every bucket of the step has been checked."""
+        every bucket of the step has been checked. shards: for LAMB/LARS calls over sharded DTensor parameters,
+        per state bits the parameters' layouts (_shards.shard_layouts): their whole-tensor norms are formed first
+        (the core's per-shard norms, summed across the shards), then the step takes them."""
         lr = group["lr"]
         # The core reads one float32 at lr's address: a float set by hand, or a tensor of another dtype or
         # device, becomes a 0-d float32 tensor on the device again (eager steps only; a captured step, and
@@ -415,14 +425,21 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
                 workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
                                    if self.algorithm in _NEEDS_WORKSPACE else 0)
                 workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-                _core.optim_step(
+                common = dict(
                     device_type=device.type, device_index=device.index or 0, stream=stream,
                     algorithm=self.algorithm, options=options, param_dtype=_DTYPE_NAMES[dtype], lr=lr.data_ptr(),
                     params=param_ptrs, grads=grad_ptrs, states=state_ptrs, absmax=absmax_ptrs, steps=step_ptrs,
                     numels=numels, workspace=workspace.data_ptr() if workspace is not None else 0,
                     workspace_bytes=workspace_bytes,
                     increment_steps=True,  # the core counts every step (on CUDA, see _finish_counter)
-                    state_bits=bits, block_size=block_size, finish_counter=finish_counter, schedule=schedule_ptrs)
+                    state_bits=bits, block_size=block_size)
+                norms = None
+                if shards and bits in shards:
+                    partials = torch.empty((len(numels), 2), dtype=torch.float32, device=device)
+                    _core.optim_layerwise_norms(**common, norms=partials.data_ptr())
+                    norms = whole_tensor_norms(partials, shards[bits])
+                _core.optim_step(**common, finish_counter=finish_counter, schedule=schedule_ptrs,
+                                 layerwise_norms=norms.data_ptr() if norms is not None else 0)
             # The gradients' contiguous copies were read through raw addresses: this reference keeps them alive
             # until here (a closure holds only the names it uses).
             contiguous_copies.clear()

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .. import _C, ops
 from .._tensor_checks import require_readable
-from ..distributed.shard_views import dtensor_class, is_dtensor, like_param, local_view
+from ..distributed.shard_sums import sum_across_shards
+from ..distributed.shard_views import ShardSpec, dtensor_class, is_dtensor, like_param, local_view
 
 
 def local_of(t: Any) -> Any:
@@ -117,3 +118,36 @@ def _shard_of(whole: Tensor, p: Tensor) -> Tensor:
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     index = tuple(slice(start, start + size) for start, size in zip(offset, shape))
     return whole[index]
+
+
+def shard_layouts(params: list[Tensor]) -> list[ShardSpec | None] | None:
+    """Per parameter of a LAMB/LARS core call, its layout (None for a plain one), if any is split over more than
+    one rank (its norms then need the other shards'); None if none is."""
+    layouts = [local_view(p)[1] for p in params]
+    split = any(layout is not None and any(layout.mesh.size(d) > 1 for d in layout.sharded_mesh_dims)
+                for layout in layouts)
+    return layouts if split else None
+
+
+def whole_tensor_norms(partials: Tensor, layouts: list[ShardSpec | None]) -> Tensor:
+    """Each tensor's squared norms over the whole parameter: the core's per-shard partials (one row per tensor,
+    [param², update²]) summed across the shards in rank order (sum_across_shards: the same bits on every rank),
+    one collective per run of consecutive parameters laid out alike; a plain parameter's row is its own total.
+    No host reads, no index tensors (a captured step copies nothing from the host)."""
+    pieces, start = [], 0
+    while start < len(layouts):
+        layout = layouts[start]
+        end = start + 1
+        while end < len(layouts) and _same_layout(layouts[end], layout):
+            end += 1
+        run = partials[start:end]
+        pieces.append(run if layout is None else sum_across_shards(run.contiguous(), layout))
+        start = end
+    return torch.cat(pieces).contiguous() if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _same_layout(a: ShardSpec | None, b: ShardSpec | None) -> bool:
+    """Whether two parameters' partials can be gathered together: the same mesh and placements (or both plain)."""
+    if a is None or b is None:
+        return a is b
+    return a.mesh == b.mesh and a.placements == b.placements
