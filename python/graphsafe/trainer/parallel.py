@@ -76,20 +76,21 @@ def start(mode: str, device: str) -> ParallelContext:
         local = int(os.environ.get("LOCAL_RANK", rank))
         device = f"cuda:{local}" if cuda else "cpu"
         return ParallelContext(mode, rank, world, local, str(dist.get_backend()), device, False, "caller's group")
-    if under_launcher():
-        local = int(os.environ["LOCAL_RANK"])
+    launched = under_launcher()
+    local = int(os.environ["LOCAL_RANK"]) if launched else 0
+    options = {}
+    if cuda:
+        torch.cuda.set_device(local)
+        # Created now rather than at the first collective: the communicator must exist before a CUDA graph
+        # capture records a collective on it.
+        options["device_id"] = torch.device("cuda", local)
+    if launched:
         launcher = "--nproc" if os.environ.get("GRAPHSAFE_LAUNCHED") == "1" else "torchrun"
-        options = {}
-        if cuda:
-            torch.cuda.set_device(local)
-            # Created now rather than at the first collective: the communicator must exist before a CUDA graph
-            # capture records a collective on it.
-            options["device_id"] = torch.device("cuda", local)
         dist.init_process_group(backend, init_method="env://", **options)
-        device = f"cuda:{local}" if cuda else "cpu"
     else:
-        local, launcher = 0, "in-process"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        launcher = "in-process"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+    device = f"cuda:{local}" if cuda else "cpu"
     global _CREATED
     _CREATED = True
     return ParallelContext(mode, dist.get_rank(), dist.get_world_size(), local, backend, device, True, launcher)
