@@ -43,8 +43,8 @@ _STATE_INITS = {name: {state["name"]: state["init"] for state in spec["states"]}
 # Algorithms whose step needs scratch memory (per-chunk norms of LAMB and LARS, the schedule weights of one with a
 # schedule); for the others the core's optim_workspace_bytes is 0 and is not asked (a test checks the two agree).
 _NEEDS_WORKSPACE = frozenset(name for name, spec in _ALGORITHMS.items() if spec["layerwise"] or spec["schedule"])
-# Algorithms with a state that cannot take every storage width (state_bits is checked against the table).
 _LAYERWISE = frozenset(name for name, spec in _ALGORITHMS.items() if spec["layerwise"])
+# Algorithms with a state that cannot take every storage width (state_bits is checked against the table).
 _STORAGE_LIMITED = frozenset(name for name, spec in _ALGORITHMS.items()
                              if any(len(state["storage_bits"]) < 3 for state in spec["states"]))
 _DTYPE_NAMES = {dtype: dtype_name(dtype) for dtype in _PARAM_DTYPES}  # the core's names
@@ -425,21 +425,25 @@ class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Opt
                 workspace_bytes = (_C.optim_workspace_bytes(device.type, self.algorithm, options, numels)
                                    if self.algorithm in _NEEDS_WORKSPACE else 0)
                 workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device) if workspace_bytes else None
-                common = dict(
+                workspace_ptr = workspace.data_ptr() if workspace is not None else 0
+                norms = None
+                if shards and bits in shards:  # the same arguments as the step's (the norms it will use)
+                    partials = torch.empty((len(numels), 2), dtype=torch.float32, device=device)
+                    _core.optim_layerwise_norms(
+                        device_type=device.type, device_index=device.index or 0, stream=stream,
+                        algorithm=self.algorithm, options=options, param_dtype=_DTYPE_NAMES[dtype], lr=lr.data_ptr(),
+                        params=param_ptrs, grads=grad_ptrs, states=state_ptrs, absmax=absmax_ptrs, steps=step_ptrs,
+                        numels=numels, workspace=workspace_ptr, workspace_bytes=workspace_bytes, increment_steps=True,
+                        state_bits=bits, block_size=block_size, norms=partials.data_ptr())
+                    norms = whole_tensor_norms(partials, shards[bits])
+                _core.optim_step(
                     device_type=device.type, device_index=device.index or 0, stream=stream,
                     algorithm=self.algorithm, options=options, param_dtype=_DTYPE_NAMES[dtype], lr=lr.data_ptr(),
                     params=param_ptrs, grads=grad_ptrs, states=state_ptrs, absmax=absmax_ptrs, steps=step_ptrs,
-                    numels=numels, workspace=workspace.data_ptr() if workspace is not None else 0,
-                    workspace_bytes=workspace_bytes,
+                    numels=numels, workspace=workspace_ptr, workspace_bytes=workspace_bytes,
                     increment_steps=True,  # the core counts every step (on CUDA, see _finish_counter)
-                    state_bits=bits, block_size=block_size)
-                norms = None
-                if shards and bits in shards:
-                    partials = torch.empty((len(numels), 2), dtype=torch.float32, device=device)
-                    _core.optim_layerwise_norms(**common, norms=partials.data_ptr())
-                    norms = whole_tensor_norms(partials, shards[bits])
-                _core.optim_step(**common, finish_counter=finish_counter, schedule=schedule_ptrs,
-                                 layerwise_norms=norms.data_ptr() if norms is not None else 0)
+                    state_bits=bits, block_size=block_size, finish_counter=finish_counter, schedule=schedule_ptrs,
+                    layerwise_norms=norms.data_ptr() if norms is not None else 0)
             # The gradients' contiguous copies were read through raw addresses: this reference keeps them alive
             # until here (a closure holds only the names it uses).
             contiguous_copies.clear()
