@@ -414,7 +414,8 @@ def _train(config: TrainConfig, ctx: ParallelContext | None = None) -> TrainResu
         differing = sum(1 for a, b in pairs if not _same_bits(a, b))
         where = "two runs"
         if ctx is not None:  # the most any rank found
-            differing, where = _max_over_ranks(differing), f"two runs, on each of {ctx.world_size} ranks"
+            ranks = f"each of {ctx.world_size} ranks" if ctx.world_size > 1 else "one rank"
+            differing, where = _max_over_ranks(differing), f"two runs, on {ranks}"
         result.extra["determinism"] = (f"bitwise equal ({len(pairs)} parameter tensors, {where})" if differing == 0
                                        else f"DIFFERENT: {differing} of {len(pairs)} parameter tensors differ")
     if config.compare_torch:
@@ -524,7 +525,9 @@ def summary(result: TrainResult) -> str:
         rows.append(("communication", f"{ms:.2f} ms{share}: {what}"))
     if "replicas_differing" in extra:
         differing = extra["replicas_differing"]
-        rows.append(("replicas", f"parameters bitwise identical on all {ctx.world_size} ranks" if differing == 0
+        same = (f"parameters bitwise identical on all {ctx.world_size} ranks" if ctx.world_size > 1
+                else "one rank: nothing to compare")
+        rows.append(("replicas", same if differing == 0
                      else f"DIFFERENT: {differing} parameter tensor(s) differ between ranks"))
     if "eager_time" in extra:
         rows.append(("step time (same graph, eager)", extra["eager_time"]))
