@@ -136,7 +136,8 @@ class DataParallelPlan:
 
         params = [p for n, p in module.named_parameters() if n not in self.ignored]
         _verify_param_shape_across_processes(self.group, params)
-        _sync_module_states(module, self.group, 250 * 1024 * 1024, 0, self.ignored, True)
+        # DDP's broadcast bucket size (250 MiB) and its rule: buffers too unless broadcast_buffers is off
+        _sync_module_states(module, self.group, 250 * 1024 * 1024, 0, self.ignored, self.broadcast_buffers)
 
     def __str__(self) -> str:
         total = sum(b.nbytes for b in self.buckets)
