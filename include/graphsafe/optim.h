@@ -28,9 +28,13 @@ namespace graphsafe {
 struct DeviceErrorRecord;  // graphsafe/errors.h
 
 // Hyperparameters are doubles, like torch's Python floats: derived constants (1 - beta, lr * weight_decay,
-// bias corrections) are formed in double and rounded to fp32 once, as torch does.
+// bias corrections) are formed in double and rounded to fp32 once, as torch does. Schedule-Free AdamW's three are
+// fp32 (a step count and two powers; formed into its constants in double all the same): every CUDA kernel takes
+// OptimOptions by value, and past 128 bytes nvcc compiles the kernels' reads of it differently (the 8-bit LAMB
+// update kernel's code grew by a fifth and the step took 21% longer on the H200); the three fit in the padding.
 struct OptimOptions {
   OptimAlgorithm algorithm = OptimAlgorithm::Adam;
+  float warmup_steps = 0.0f;   // Schedule-Free AdamW: linear lr warm-up length (0: none)
   double beta1 = 0.9;          // Adam/AdamW/LAMB/AdEMAMix/Lion first beta
   double beta2 = 0.999;        // second-moment beta (Lion: the momentum-update beta)
   double beta3 = 0.9999;       // AdEMAMix slow-EMA beta (final value)
@@ -44,16 +48,16 @@ struct OptimOptions {
   double alpha_warmup = 0.0;   // AdEMAMix T_alpha (0: no warm-up)
   double beta3_warmup = 0.0;   // AdEMAMix T_beta3 (0: no warm-up)
   double trust_coefficient = 0.001;  // LARS eta
-  double warmup_steps = 0.0;   // Schedule-Free AdamW: linear lr warm-up length (0: none)
-  double r = 0.0;              // Schedule-Free AdamW: the average's weights grow as step^r
-  double weight_lr_power = 2.0;  // Schedule-Free AdamW: ... and as lr_max^weight_lr_power
   bool amsgrad = false;        // Adam/AdamW
   bool maximize = false;
   bool nesterov = false;       // SGD
   bool centered = false;       // RMSprop
   bool bias_correction = true; // LAMB
   bool skip_zeros = false;
+  float r = 0.0f;                // Schedule-Free AdamW: the average's weights grow as step^r
+  float weight_lr_power = 2.0f;  // Schedule-Free AdamW: ... and as lr_max^weight_lr_power
 };
+static_assert(sizeof(OptimOptions) <= 128, "OptimOptions stays within 128 bytes (see above)");
 
 // One parameter tensor of a step. With 32-bit states, `state` holds optim_state_count(options) fp32 buffers
 // of `numel`; with 16-bit states, as many bf16 buffers; with 8-bit states, `codes` holds as many uint8
@@ -106,7 +110,8 @@ struct OptimStepArgs {
 enum class OptionRange : int8_t { Flag, Finite, NonNegative, Positive, UnitInterval /* [0, 1) */ };
 
 // Every option an algorithm of the table may name: its name in the table and the bindings, the name an error
-// message shows (the Python argument's), the OptimOptions field it sets and its range. The option checks,
+// message shows (the Python argument's), the OptimOptions field it sets (a double, a flag or an fp32 one) and its
+// range. The option checks,
 // set_optim_option and the bindings read this list; a compile-time check (src/optim/common.cpp) finds every
 // option of kOptimAlgorithms here.
 struct OptimOptionField {
@@ -115,6 +120,7 @@ struct OptimOptionField {
   double OptimOptions::*number;
   bool OptimOptions::*flag;
   OptionRange range;
+  float OptimOptions::*single = nullptr;
 };
 inline constexpr OptimOptionField kOptimOptionFields[] = {
     {"beta1", "betas[0]", &OptimOptions::beta1, nullptr, OptionRange::UnitInterval},
@@ -130,9 +136,9 @@ inline constexpr OptimOptionField kOptimOptionFields[] = {
     {"alpha_warmup", "t_alpha", &OptimOptions::alpha_warmup, nullptr, OptionRange::NonNegative},
     {"beta3_warmup", "t_beta3", &OptimOptions::beta3_warmup, nullptr, OptionRange::NonNegative},
     {"trust_coefficient", "trust_coefficient", &OptimOptions::trust_coefficient, nullptr, OptionRange::Positive},
-    {"warmup_steps", "warmup_steps", &OptimOptions::warmup_steps, nullptr, OptionRange::NonNegative},
-    {"r", "r", &OptimOptions::r, nullptr, OptionRange::Finite},
-    {"weight_lr_power", "weight_lr_power", &OptimOptions::weight_lr_power, nullptr, OptionRange::NonNegative},
+    {"warmup_steps", "warmup_steps", nullptr, nullptr, OptionRange::NonNegative, &OptimOptions::warmup_steps},
+    {"r", "r", nullptr, nullptr, OptionRange::Finite, &OptimOptions::r},
+    {"weight_lr_power", "weight_lr_power", nullptr, nullptr, OptionRange::NonNegative, &OptimOptions::weight_lr_power},
     {"amsgrad", "amsgrad", nullptr, &OptimOptions::amsgrad, OptionRange::Flag},
     {"maximize", "maximize", nullptr, &OptimOptions::maximize, OptionRange::Flag},
     {"nesterov", "nesterov", nullptr, &OptimOptions::nesterov, OptionRange::Flag},

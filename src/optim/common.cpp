@@ -82,16 +82,24 @@ void set_optim_option(OptimOptions& o, std::string_view name, double value) {
   for (const OptimOptionField& field : kOptimOptionFields) {
     if (name != field.name) continue;
     if (field.number != nullptr) o.*(field.number) = value;
+    else if (field.single != nullptr)  // (a finite value past fp32's range becomes inf, which the checks refuse)
+      o.*(field.single) = static_cast<float>(std::isfinite(value) && std::fabs(value) > 3.4028234663852886e38
+                                                 ? std::copysign(HUGE_VAL, value) : value);
     else o.*(field.flag) = value != 0.0;
     return;
   }
 }
 
 namespace {
+// A numeric option's value (a double field, or an fp32 one widened).
+double option_number(const OptimOptions& o, const OptimOptionField& field) {
+  return field.number != nullptr ? o.*(field.number) : static_cast<double>(o.*(field.single));
+}
+
 // The first of o's options (by the table's order) outside its range (kOptimOptionFields), or null.
 const char* out_of_range(const OptimOptions& o, const OptimOptionField& field) {
-  if (field.number == nullptr) return nullptr;
-  const double v = o.*(field.number);
+  if (field.number == nullptr && field.single == nullptr) return nullptr;
+  const double v = option_number(o, field);
   switch (field.range) {
     case OptionRange::Flag: return nullptr;
     case OptionRange::Finite: return std::isfinite(v) ? nullptr : "must be finite";
@@ -109,7 +117,7 @@ void validate_optim_options(const OptimOptions& o) {
     for (const OptimOptionField& field : kOptimOptionFields) {
       if (!same_name(option, field.name)) continue;
       if (const char* why = out_of_range(o, field))
-        require(false, std::string(field.shown_as) + " " + why + ", got " + value(o.*(field.number)));
+        require(false, std::string(field.shown_as) + " " + why + ", got " + value(option_number(o, field)));
     }
   }
   // Rules between options, beyond each option's range.

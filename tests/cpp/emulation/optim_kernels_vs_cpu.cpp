@@ -259,8 +259,8 @@ TEST(OptimKernelsEmulated, MatchTheCpuBackend) {
       o.alpha_warmup = o.beta3_warmup = o.algorithm == OptimAlgorithm::AdEMAMix ? 6.0 : 0.0;
       o.trust_coefficient = 0.02;
       o.lr_decay = o.algorithm == OptimAlgorithm::Adagrad ? 0.01 : 0.0;
-      o.warmup_steps = o.algorithm == OptimAlgorithm::AdamWScheduleFree ? 2.0 : 0.0;
-      o.r = o.algorithm == OptimAlgorithm::AdamWScheduleFree ? 0.5 : 0.0;
+      o.warmup_steps = o.algorithm == OptimAlgorithm::AdamWScheduleFree ? 2.0f : 0.0f;
+      o.r = o.algorithm == OptimAlgorithm::AdamWScheduleFree ? 0.5f : 0.0f;
       const uint32_t seed = 100 + 10 * algorithm + skip_zeros;
       EXPECT_EQ(compare<float>(o, 40, 3, seed, DType::Float32), 0) << "fp32, algorithm " << algorithm;
       EXPECT_EQ(compare<bf16_t>(o, 36, 2, seed + 1, DType::BFloat16), 0) << "bf16, algorithm " << algorithm;
