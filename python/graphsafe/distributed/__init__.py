@@ -8,7 +8,7 @@ combine per-shard values across ranks in a fixed order (DESIGN.md, "Many GPUs th
   * sum_across_shards(partials, param): per-shard partial sums totalled over the shards, the same bits on every
     rank (LAMB/LARS norms); sum_rows_in_order is its order, for references.
 
-Not wired into graphsafe.optim yet (issue 20).
+graphsafe.optim's steps on DTensor parameters are built on these (python/graphsafe/optim/_shards.py).
 """
 
 from .shard_sums import sum_across_shards, sum_rows_in_order
