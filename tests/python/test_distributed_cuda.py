@@ -1,8 +1,9 @@
-"""graphsafe's optimizers under torch.distributed on CUDA with NCCL, in what one GPU can check (the 2-GPU runs
-are issue 23's, with the same code): a world of one process, FSDP2 and plain DTensor parameters on the device,
-and a step captured in a CUDA graph whose collectives (LAMB/LARS's all-gather of the shards' norms) are nodes of
-the graph. With one rank every collective is an identity, so each run must equal the same training without
-torch.distributed bit for bit.
+"""graphsafe's optimizers under torch.distributed on CUDA with NCCL. On one GPU: a world of one process, FSDP2 and
+plain DTensor parameters on the device, and a step captured in a CUDA graph; with one rank every collective is an
+identity, so each run must equal the same training without torch.distributed bit for bit. On every visible GPU
+(one process each: issue 23's run on 2 GPUs uses this file unchanged): every algorithm at 32/16/8-bit states on an
+FSDP2 model against one GPU training on the whole batch (to the CPU tests' tolerance), every rank's parameters
+equal, and two runs bitwise equal.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from torch import nn
 
 from conftest import requires_cuda
 from distributed_harness import FSDP2_AVAILABLE, run_in_processes
-from test_distributed_optim import BATCH, _fsdp2, _full, batch, make_model, make_optimizer
+from test_distributed_optim import (BATCH, CONFIGS, _fsdp2, _full, assert_close_training, batch, make_model,
+                                   make_optimizer)
 
 NCCL_AVAILABLE = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
 pytestmark = [requires_cuda, pytest.mark.skipif(not (FSDP2_AVAILABLE and NCCL_AVAILABLE),
@@ -100,3 +102,55 @@ def test_captured_dtensor_step_with_its_collectives_equals_eager_and_plain(tmp_p
         for i, (a, b, c) in enumerate(zip(plain, eager, captured)):
             assert torch.equal(b, a), f"{case} {bits}-bit param {i}: DTensor eager step differs from plain tensors"
             assert torch.equal(c, b), f"{case} {bits}-bit param {i}: the captured replays differ from eager steps"
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPU_CONFIGS = [(case, bits) for case, bits, skip in CONFIGS if skip]  # every algorithm and width, skip_zeros on
+
+
+def _train_slice(model, opt, world: int, rank: int | None, steps: int = 10) -> None:
+    """steps steps; rank None: each step's whole batch on this process, else rank's slice of it."""
+    for step in range(steps):
+        x, y = batch(step, world)
+        if rank is not None:
+            x, y = x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+        opt.step()
+
+
+def _every_config_on_gpus(rank: int, world: int) -> dict:
+    out = {}
+    for case, bits in GPU_CONFIGS:
+        model = _fsdp2(make_model().cuda())
+        opt = make_optimizer(case, model.parameters(), bits, skip=True)
+        _train_slice(model, opt, world, rank)
+        if hasattr(opt, "eval"):  # AdamWScheduleFree: x, as evaluation sees it
+            opt.eval()
+        out[(case, bits)] = [t.cpu() for t in _full(model)]
+    return out
+
+
+def test_fsdp2_on_every_visible_gpu_matches_one_gpu_and_repeats(tmp_path):
+    world = GPUS
+    runs = []
+    for i in range(2):
+        workdir = tmp_path / f"run{i}"
+        workdir.mkdir()
+        runs.append(run_in_processes(_every_config_on_gpus, world, timeout=500, workdir=workdir, backend="nccl"))
+    start = [p.detach() for p in make_model().parameters()]
+    for case, bits in GPU_CONFIGS:
+        model = make_model().cuda()
+        opt = make_optimizer(case, model.parameters(), bits, skip=True)
+        _train_slice(model, opt, world, None)
+        if hasattr(opt, "eval"):
+            opt.eval()
+        reference = [p.detach().cpu() for p in model.parameters()]
+        for run in runs:
+            for rank, result in enumerate(run):
+                got = result[(case, bits)]
+                assert_close_training(got, reference, start, bits, case, f"{case} {bits}-bit, {world} GPUs, rank {rank}")
+                for a, b in zip(got, run[0][(case, bits)]):
+                    assert torch.equal(a, b), f"{case} {bits}-bit: rank {rank} gathered other parameters than rank 0"
+        for a, b in zip(runs[0][0][(case, bits)], runs[1][0][(case, bits)]):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{case} {bits}-bit: two runs differ"
