@@ -8,6 +8,7 @@ from .harness import BenchContext, BenchOptions, Suite, Target, register_suite, 
 from . import embedding  # noqa: F401,E402 - registers the "embedding" suite
 from . import optim  # noqa: F401,E402 - registers the "optim" suite
 from . import train  # noqa: F401,E402 - registers the "train" suite
+from . import distributed  # noqa: F401,E402 - registers the "dist" suite
 
 __all__ = ["BenchContext", "BenchOptions", "Suite", "Target", "register_suite", "run_bench", "suites", "run_demo"]
 
