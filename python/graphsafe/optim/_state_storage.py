@@ -3,7 +3,8 @@
 Each state is kept in one of three forms, chosen per parameter from its group's state_bits and min_8bit_size:
 fp32 (32), bf16 (16), or 8-bit blockwise codes with one fp32 absmax per block and the 256-value map the codes
 index (8). Beside them a parameter's state holds its step count (a 0-d fp32 tensor) and, for an algorithm with a
-schedule (the table's per-tensor values, include/graphsafe/optim_algorithms.h), each schedule value (0-d float64). The core writes states through their raw addresses, so a state must be exactly in its form (dtype,
+schedule (the table's per-tensor values, include/graphsafe/optim_algorithms.h), each schedule value (0-d
+float64). The core writes states through their raw addresses, so a state must be exactly in its form (dtype,
 shape, device, contiguous) before a step passes it; _StateStorage._state_of makes or converts it, and
 _check_state_tensors refuses one replaced by hand in another form. The optimizer's state mapping itself is a
 _StateMap, which counts its changes so that the cached at-once path knows when to look states up again.
