@@ -30,8 +30,8 @@ struct DeviceErrorRecord;  // graphsafe/errors.h
 // Hyperparameters are doubles, like torch's Python floats: derived constants (1 - beta, lr * weight_decay,
 // bias corrections) are formed in double and rounded to fp32 once, as torch does. Schedule-Free AdamW's three are
 // fp32 (a step count and two powers; formed into its constants in double all the same): every CUDA kernel takes
-// OptimOptions by value, and past 128 bytes nvcc compiles the kernels' reads of it differently (the 8-bit LAMB
-// update kernel's code grew by a fifth and the step took 21% longer on the H200); the three fit in the padding.
+// OptimOptions by value, and past 128 bytes nvcc compiles the kernels' reads of it differently and the 8-bit LAMB
+// step slowed down (docs/benchmarks.md, the optim run of 2026-12-02); the three fit in the padding.
 struct OptimOptions {
   OptimAlgorithm algorithm = OptimAlgorithm::Adam;
   float warmup_steps = 0.0f;   // Schedule-Free AdamW: linear lr warm-up length (0: none)

@@ -83,9 +83,8 @@ static_assert(QuantizedElementwisePolicy<FastMath>::kThreads <= QuantizedLoopPol
 // order, layout.h). The update kernel is capped as the element-wise kernel of its state width.
 struct LayerwisePolicy {
   static constexpr int kThreads = ChunkPolicy::kThreads;
-  // The measuring pass (pass 1) keeps kMeasureMinBlocksPerSM blocks resident: left free, the compiler gave the
-  // 8-bit one 48 registers or 62 depending on OptimOptions' size (three more doubles for AdamWScheduleFree),
-  // and at 62 (4 blocks per SM) the 8-bit LAMB step took 25% longer on the H200.
+  // The measuring pass (pass 1) keeps kMeasureMinBlocksPerSM blocks resident: left free, the compiler's register
+  // count for the 8-bit one moved with unrelated changes (to 62 once: 4 blocks per SM, a slower 8-bit LAMB step).
   static constexpr int kMeasureMinBlocksPerSM = 5;
   // optim_layerwise_norms_cuda's combining kernel takes this many tensors' chunk ranges (8 bytes each) a launch.
   static constexpr int kNormRangesPerLaunch = (LaunchTablePolicy::kArgumentBytes - 64) / 8 - 1;
