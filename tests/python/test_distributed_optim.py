@@ -11,6 +11,8 @@ single-process references run here, in the test process.
 
 from __future__ import annotations
 
+import copy
+
 
 import pytest
 import torch
@@ -348,3 +350,86 @@ def test_layerwise_trust_ratios_on_shards_equal_one_process_with_the_same_split(
     for rank, params in enumerate(ranks):
         for i, (a, b) in enumerate(zip(params, reference)):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"{case} {world} ranks, rank {rank} param {i}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checkpoints of one process loaded on shards; DTensors the step cannot take
+# --------------------------------------------------------------------------------------------------------
+
+def _whole_checkpoint(bits: int) -> dict:
+    """A one-process AdamW checkpoint (4 steps), as torch.save would keep it."""
+    model = make_model()
+    opt = make_optimizer("AdamW", model.parameters(), bits, skip=True)
+    train(model, opt, 1, None, steps=4)
+    return copy.deepcopy(opt.state_dict())
+
+
+def _load_whole_job(rank: int, world: int) -> dict:
+    """Each rank loads the one-process checkpoint into an FSDP2 optimizer and reports its local states."""
+    out = {}
+    for bits in (32, 8):
+        model = _fsdp2(make_model())
+        opt = make_optimizer("AdamW", model.parameters(), bits, skip=True)
+        opt.load_state_dict(_whole_checkpoint(bits))
+        out[bits] = [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+                     for p in model.parameters()]
+    return out
+
+
+def _refusals_job(rank: int, world: int) -> dict:
+    """What the optimizer says to DTensors it cannot step, and that nothing changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    from torch.distributed.tensor import DTensor
+    partial = nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Partial()]))
+    try:
+        graphsafe.optim.AdamW([partial])
+        out["partial"] = None
+    except ValueError as e:
+        out["partial"] = str(e)
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    opt = graphsafe.optim.AdamW([p])
+    before = p.to_local().clone()
+    for name, grad in (("replicated grad", distribute_tensor(torch.ones(4, 3), mesh, [Replicate()])),
+                       ("plain grad", torch.ones(4, 3))):
+        try:
+            p.grad = grad  # (torch itself may refuse the assignment)
+            opt.step()
+            out[name] = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    out["unchanged"] = torch.equal(p.to_local(), before) and not opt.state
+    return out
+
+
+def test_a_one_process_checkpoint_loads_on_shards(tmp_path):
+    """Whole states (32-bit, and 8-bit codes with their scales) are cut to each rank's rows: equal to the rows of
+    the whole states (8-bit: of their dequantised values, quantised again in the shard's blocks)."""
+    ranks = run_in_processes(_load_whole_job, 2, timeout=120, workdir=tmp_path)
+    whole = {bits: _whole_checkpoint(bits)["state"] for bits in (32, 8)}
+    for bits in (32, 8):
+        for rank, states in enumerate(ranks):
+            for index, local in enumerate(states[bits]):
+                saved = whole[bits][index]
+                assert torch.equal(local["step"], saved["step"])
+                for name in ("exp_avg", "exp_avg_sq"):
+                    full = saved[name] if bits == 32 else graphsafe.ops.dequantize_blockwise(
+                        saved[name], saved[f"{name}_absmax"], saved["block_size"], name == "exp_avg").reshape(
+                        saved[name].shape)
+                    rows = full.chunk(2)[rank] if rank < len(full.chunk(2)) else full[:0]
+                    got = local[name] if bits == 32 else graphsafe.ops.dequantize_blockwise(
+                        local[name], local[f"{name}_absmax"], saved["block_size"], name == "exp_avg").reshape(
+                        rows.shape)
+                    tol = 0.0 if bits == 32 else float(full.abs().max()) * 0.02
+                    torch.testing.assert_close(got, rows, rtol=0.0, atol=tol,
+                                               msg=lambda m: f"{bits}-bit rank {rank} param {index} {name}: {m}")
+
+
+def test_dtensors_the_step_cannot_take_are_refused_and_change_nothing(tmp_path):
+    result = run_in_processes(_refusals_job, 2, timeout=120, workdir=tmp_path)[0]
+    assert result["partial"] is not None and "partial sums" in result["partial"]
+    assert result["replicated grad"] is not None and "does not lie as its parameter" in result["replicated grad"]
+    assert result["plain grad"] is not None and result["plain grad"].startswith("TypeError")
+    assert result["unchanged"]
