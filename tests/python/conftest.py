@@ -340,6 +340,12 @@ def initial_state(optimizer, name: str, param_before: torch.Tensor, value: float
     return torch.full_like(param_before, value, dtype=torch.float32)
 
 
+def storable(case: str, state_bits: int) -> bool:
+    """Whether optim_cases()[case]'s algorithm can keep every state in state_bits bits (the table's widths)."""
+    algorithm = optim_cases()[case][0].algorithm
+    return all(state_bits in state["storage_bits"] for state in graphsafe._C.optim_algorithms()[algorithm]["states"])
+
+
 def skip_unless_storable(case: str, state_bits: int) -> None:
     """Skips a test of optim_cases()[case] at state_bits whose algorithm cannot keep every state in that width
     (the table's storage widths: AdamWScheduleFree's z is never 8-bit; its refusal is tested on its own)."""

@@ -23,7 +23,7 @@ from test_bad_inputs_optim import (ALGOS, ARG_WORDS, SHAPES, Setup, assert_same,
 STATE_NAMES = {"Adam": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], "AdamW": ["exp_avg", "exp_avg_sq"],
                "SGD": ["momentum_buffer"], "RMSprop": ["square_avg", "grad_avg", "momentum_buffer"],
                "Adagrad": ["sum"], "Lion": ["exp_avg"], "LAMB": ["exp_avg", "exp_avg_sq"], "LARS": ["momentum_buffer"],
-               "AdEMAMix": ["exp_avg", "exp_avg_slow", "exp_avg_sq"]}
+               "AdEMAMix": ["exp_avg", "exp_avg_slow", "exp_avg_sq"], "AdamWScheduleFree": ["z", "exp_avg_sq"]}
 
 
 def _first(algo):

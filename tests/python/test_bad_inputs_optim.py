@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import graphsafe.optim as go
-from conftest import make_params, optim_cases
+from conftest import make_params, optim_cases, skip_unless_storable, storable
 from bad_inputs import (META, NESTED_REFUSAL, Sub, Wrapper, check_isolated, handled_or_refused, isolated_fixture,
                              refused)
 
 NAN, INF = float("nan"), float("inf")
 CASES = optim_cases()
-ALGOS = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix"]
+ALGOS = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Lion", "LAMB", "LARS", "AdEMAMix", "AdamWScheduleFree"]
 TORCH_ALGOS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD,
                "RMSprop": torch.optim.RMSprop, "Adagrad": torch.optim.Adagrad}
 SHAPES = [(4, 40), (70,)]  # 160 and 70 elements: several 32-element 8-bit blocks and a partial one
@@ -45,6 +45,7 @@ class Setup:
     """An optimizer of `algo` over two parameters, stepped `steps` times, and the means to build its twin."""
 
     def __init__(self, algo: str, bits: int = 32, steps: int = 2, **extra):
+        skip_unless_storable(algo, bits)
         cls, kw = CASES[algo]
         self.algo, self.cls, self.kw = algo, cls, dict(kw, **STORAGE[bits], **extra)
         self.params = make_params(SHAPES, torch.float32, torch.Generator().manual_seed(7))
@@ -143,7 +144,8 @@ def refused_unchanged(setup: Setup, fn, types, pattern: str, what: str = ""):
 ARG_WORDS = {"lr": r"learning rate|\blr\b", "betas": r"beta", "eps": r"eps", "weight_decay": r"weight_decay",
              "momentum": r"momentum", "alpha": r"alpha", "lr_decay": r"lr_decay", "dampening": r"dampening",
              "initial_accumulator_value": r"initial_accumulator_value", "trust_coefficient": r"trust_coefficient",
-             "t_alpha": r"t_alpha|warm", "t_beta3": r"t_beta3|warm"}
+             "t_alpha": r"t_alpha|warm", "t_beta3": r"t_beta3|warm", "warmup_steps": r"warmup_steps",
+             "r": r"\br\b", "weight_lr_power": r"weight_lr_power"}
 NUMERIC_ARGS = {
     "Adam": ["eps", "weight_decay"], "AdamW": ["eps", "weight_decay"],
     "SGD": ["momentum", "dampening", "weight_decay"],
@@ -152,8 +154,9 @@ NUMERIC_ARGS = {
     "Lion": ["weight_decay"], "LAMB": ["eps", "weight_decay"],
     "LARS": ["momentum", "weight_decay", "trust_coefficient", "eps"],
     "AdEMAMix": ["alpha", "t_alpha", "t_beta3", "eps", "weight_decay"],
+    "AdamWScheduleFree": ["eps", "weight_decay", "warmup_steps", "r", "weight_lr_power"],
 }
-BETAS_COUNT = {"Adam": 2, "AdamW": 2, "Lion": 2, "LAMB": 2, "AdEMAMix": 3}
+BETAS_COUNT = {"Adam": 2, "AdamW": 2, "Lion": 2, "LAMB": 2, "AdEMAMix": 3, "AdamWScheduleFree": 2}
 # docs/optim.md, Validation: lr >= 0; eps, weight_decay and momentum finite and >= 0; betas in [0, 1); RMSprop
 # alpha >= 0; Adagrad lr_decay >= 0; AdEMAMix alpha >= 0 and warm-up lengths >= 0. (NaN fails every ">=".)
 MUST_BE_FINITE = {"eps", "weight_decay", "momentum"}
@@ -177,7 +180,8 @@ def hyper_cases():
         for arg in NUMERIC_ARGS[algo]:
             for v in (-1.0, NAN, INF):
                 docs = (arg in MUST_BE_FINITE and not (v >= 0 and math.isfinite(v))) or (
-                    arg in ("alpha", "lr_decay", "t_alpha", "t_beta3", "trust_coefficient") and not v >= 0)
+                    arg in ("alpha", "lr_decay", "t_alpha", "t_beta3", "trust_coefficient", "warmup_steps",
+                            "weight_lr_power") and not v >= 0) or (arg == "r" and not math.isfinite(v))
                 torch_refuses = algo in TORCH_ALGOS and _torch_refuses(algo, arg, v)
                 if docs or torch_refuses:
                     cases.append((algo, arg, v, "docs" if docs else "torch"))
@@ -371,6 +375,7 @@ def test_step_takes_non_contiguous_and_zero_stride_gradients_as_their_values(alg
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_empty_and_0d_parameters_step(algo, bits):
+    skip_unless_storable(algo, bits)
     cls, kw = CASES[algo]
     params = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3, 0)),
               torch.nn.Parameter(torch.tensor(0.5)), torch.nn.Parameter(torch.randn(40))]
@@ -423,7 +428,7 @@ def test_non_finite_gradient_element_damages_only_its_own_element(algo, bits, ba
     sa, sb = snapshot(a.opt), snapshot(b.opt)
     _same_value(sa["parameter 1"], sb["parameter 1"], f"{algo}: the other parameter")
     for k, v in sa.items():
-        if k == "parameter 0" or k.startswith("parameter 0 state") and "step" not in k:
+        if k == "parameter 0" or k.startswith("parameter 0 state") and v.dim() > 0:  # (not step, schedule values)
             _same_value(v[others], sb[k][others], f"{algo}: {k}, other elements")
 
 
@@ -538,9 +543,9 @@ def _plain_states_and_steps(opt):
 
 ISOLATED_OPTIM = {
     **{f"{algo}-{bits}bit-{kind}-param": _sub_param_case(algo, bits, kind)
-       for algo in ALGOS for bits in BITS for kind in ("sub", "wrapper")},
+       for algo in ALGOS for bits in BITS for kind in ("sub", "wrapper") if storable(algo, bits)},
     **{f"{algo}-{bits}bit-wrapper-grad": _refused_case(_wrapper_grad_on_plain(algo, bits))
-       for algo in ALGOS for bits in (32, 8)},
+       for algo in ALGOS for bits in (32, 8) if storable(algo, bits)},
     "sparse-csr-param": _refused_case(lambda: go.Adam([torch.nn.Parameter(torch.randn(4, 4).to_sparse_csr())])),
     "nested-param": _refused_case(lambda: go.Adam([torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])]),
                                   NESTED_REFUSAL),
