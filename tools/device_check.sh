@@ -16,7 +16,7 @@ echo "built in $((SECONDS-START)) s"
 (cmake -S . -B build/cpp -G Ninja -DGRAPHSAFE_BUILD_TESTS=ON -DGRAPHSAFE_GTEST_SOURCE_DIR="$PWD/.deps/googletest" \
   && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$OUT/ctest.log" 2>&1 &
 CTEST=$!
-timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider $TIMEOUT_ARG ${PYTEST_FILES:-tests/python/test_embedding_cuda.py tests/python/test_embedding_lookup.py tests/python/test_optim_cuda_vs_cpu.py tests/python/test_optim_cuda_8bit.py tests/python/test_optim_cuda_capture.py tests/python/test_optim_cuda_skip_zeros.py tests/python/test_optim_cuda_devices.py} > "$OUT/pytest_cuda.log" 2>&1
+timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider $TIMEOUT_ARG ${PYTEST_FILES:-tests/python/test_embedding_cuda.py tests/python/test_embedding_lookup.py tests/python/test_optim_cuda_vs_cpu.py tests/python/test_optim_cuda_8bit.py tests/python/test_optim_cuda_capture.py tests/python/test_optim_cuda_skip_zeros.py tests/python/test_optim_cuda_devices.py tests/python/test_optim_schedule_free.py tests/python/test_distributed_cuda.py tests/python/test_graph_data_parallel_cuda.py} > "$OUT/pytest_cuda.log" 2>&1
 echo "pytest rc=$? at $((SECONDS-START)) s: $(tail -1 "$OUT/pytest_cuda.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.log" | head -20
 wait $CTEST
