@@ -1,6 +1,7 @@
 // CPU backend of the optimizer step: the shared rules in a loop, parallel over elements with OpenMP.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
+#include <vector>
 
 #include "graphsafe/optim.h"
 #include "optim/backend.h"
@@ -204,20 +205,42 @@ template <class T, int States>
 void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, std::size_t factors_offset) {
   const OptimOptions& o = a.options;
   const float lr = *a.lr;
-  int64_t chunk_base = 0;
   const int schedule = optim_schedule_size(o.algorithm);
-  for (int t = 0; t < count; ++t) {
+  // Each tensor's first chunk in the workspace (layer-wise norms), fixed before any tensor runs: tensors may run
+  // in any order, and on any thread.
+  std::vector<int64_t> chunk_base(static_cast<std::size_t>(count) + 1, 0);
+  for (int t = 0; t < count; ++t) chunk_base[t + 1] = chunk_base[t] + chunk_count(tensors[t].numel);
+  const auto step_tensor = [&](int t) {
     if (a.increment_steps) *tensors[t].step += 1.0f;
     const float step = *tensors[t].step;
     const double weight = schedule > 0 ? advance_schedule_at(o, lr, step, tensors[t].schedule, schedule) : 0.0;
     const Coefficients k = coefficients(o, lr, step, weight);
     if (is_layerwise(o.algorithm)) {
       const float* given = a.layerwise_norms != nullptr ? a.layerwise_norms + 2 * t : nullptr;
-      layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base, given, workspace + factors_offset + t);
-      chunk_base += chunk_count(tensors[t].numel);
+      layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base[t], given, workspace + factors_offset + t);
     } else {
       elementwise<T, States>(o, k, tensors[t], a);
     }
+  };
+  // A tensor of kParallelMinElements elements or more spreads its own elements over the threads (for_each_index);
+  // smaller ones run on one thread each, so a step of many small tensors spreads the tensors over the threads, in
+  // one parallel region (when there is enough work for one). Every tensor's result is the same on any thread.
+  std::vector<int> small;
+  int64_t small_elements = 0;
+  for (int t = 0; t < count; ++t) {
+    if (tensors[t].numel >= kParallelMinElements) {
+      step_tensor(t);
+    } else {
+      small.push_back(t);
+      small_elements += tensors[t].numel;
+    }
+  }
+  const int n = static_cast<int>(small.size());
+  if (n > 1 && small_elements >= kParallelMinElements) {
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int i = 0; i < n; ++i) step_tensor(small[i]);
+  } else {
+    for (int i = 0; i < n; ++i) step_tensor(small[i]);
   }
 }
 

@@ -62,6 +62,25 @@ def test_results_do_not_depend_on_thread_count(case):
     assert_same_run(opt_a, params_a, opt_b, params_b, f"{case}: 1 thread vs 3 threads")
 
 
+@pytest.mark.skipif(libgomp() is None, reason="libgomp (graphsafe's OpenMP runtime) not found")
+@pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
+def test_many_small_tensors_spread_over_threads_give_the_same_bits(case):
+    """A step of many tensors below the size that splits a tensor's elements over threads spreads the tensors over
+    the threads instead (src/optim/cpu.cpp, run): 1 and 3 threads give the same bits, layer-wise norms included
+    (each tensor's chunks keep their workspace place)."""
+    gomp = libgomp()
+    default = gomp.omp_get_max_threads()
+    shapes = [(700 + 13 * i,) for i in range(120)] + [(5000,)]  # 120 small tensors, ~130K elements in all
+    try:
+        gomp.omp_set_num_threads(1)
+        opt_a, params_a = run_case(case, torch.float32, 41, shapes=shapes)
+        gomp.omp_set_num_threads(3)
+        opt_b, params_b = run_case(case, torch.float32, 41, shapes=shapes)
+    finally:
+        gomp.omp_set_num_threads(default)
+    assert_same_run(opt_a, params_a, opt_b, params_b, f"{case}: many small tensors, 1 thread vs 3 threads")
+
+
 # --------------------------------------------------------------------------------------------------------
 # The step's two ways of gathering a group: at once (the common case) and per parameter (everything else)
 # --------------------------------------------------------------------------------------------------------
