@@ -1,4 +1,5 @@
-// CPU backend of the optimizer step: the shared rules in a loop, parallel over elements with OpenMP.
+// CPU backend of the optimizer step: the shared rules in a loop, parallel with OpenMP over a large tensor's
+// elements, or over the tensors of a step of many small ones.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
 #include <vector>
