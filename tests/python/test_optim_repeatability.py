@@ -49,17 +49,20 @@ def test_two_identical_runs_are_bitwise_equal(case, dtype):
 def test_results_do_not_depend_on_thread_count(case):
     """The CPU backend splits work over OpenMP threads; LAMB/LARS norms are summed per fixed chunk and the
     chunks in order, so 1 and 3 threads give the same bits (tensors of several chunks)."""
+    _assert_same_bits_on_1_and_3_threads(case, 37, [(3 * 4096 + 17,), (4096,), (100, 50)])
+
+
+def _assert_same_bits_on_1_and_3_threads(case, seed, shapes):
     gomp = libgomp()
     default = gomp.omp_get_max_threads()
-    shapes = [(3 * 4096 + 17,), (4096,), (100, 50)]
     try:
         gomp.omp_set_num_threads(1)
-        opt_a, params_a = run_case(case, torch.float32, 37, shapes=shapes)
+        opt_a, params_a = run_case(case, torch.float32, seed, shapes=shapes)
         gomp.omp_set_num_threads(3)
-        opt_b, params_b = run_case(case, torch.float32, 37, shapes=shapes)
+        opt_b, params_b = run_case(case, torch.float32, seed, shapes=shapes)
     finally:
         gomp.omp_set_num_threads(default)
-    assert_same_run(opt_a, params_a, opt_b, params_b, f"{case}: 1 thread vs 3 threads")
+    assert_same_run(opt_a, params_a, opt_b, params_b, f"{case}: {len(shapes)} tensors, 1 thread vs 3 threads")
 
 
 @pytest.mark.skipif(libgomp() is None, reason="libgomp (graphsafe's OpenMP runtime) not found")
@@ -68,17 +71,8 @@ def test_many_small_tensors_spread_over_threads_give_the_same_bits(case):
     """A step of many tensors below the size that splits a tensor's elements over threads spreads the tensors over
     the threads instead (src/optim/cpu.cpp, run): 1 and 3 threads give the same bits, layer-wise norms included
     (each tensor's chunks keep their workspace place)."""
-    gomp = libgomp()
-    default = gomp.omp_get_max_threads()
     shapes = [(700 + 13 * i,) for i in range(120)] + [(5000,)]  # 120 small tensors, ~130K elements in all
-    try:
-        gomp.omp_set_num_threads(1)
-        opt_a, params_a = run_case(case, torch.float32, 41, shapes=shapes)
-        gomp.omp_set_num_threads(3)
-        opt_b, params_b = run_case(case, torch.float32, 41, shapes=shapes)
-    finally:
-        gomp.omp_set_num_threads(default)
-    assert_same_run(opt_a, params_a, opt_b, params_b, f"{case}: many small tensors, 1 thread vs 3 threads")
+    _assert_same_bits_on_1_and_3_threads(case, 41, shapes)
 
 
 # --------------------------------------------------------------------------------------------------------

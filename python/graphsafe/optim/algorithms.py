@@ -34,6 +34,15 @@ def _betas(betas: Any, count: int) -> tuple[float, ...]:
     return values
 
 
+def _two_betas(group: dict[str, Any]) -> tuple[float, float]:
+    """A group's two betas: unpacked directly (every step reads them), _betas' message when that fails."""
+    try:
+        beta1, beta2 = group["betas"]
+    except (TypeError, ValueError):
+        beta1, beta2 = _betas(group["betas"], 2)
+    return beta1, beta2
+
+
 def _reject_differentiable(name: str, differentiable: bool) -> None:
     if differentiable:
         raise NotImplementedError(f"{name}(differentiable=True) is not supported: graphsafe's step is not differentiable")
@@ -61,10 +70,7 @@ class Adam(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        try:
-            beta1, beta2 = group["betas"]
-        except (TypeError, ValueError):
-            beta1, beta2 = _betas(group["betas"], 2)
+        beta1, beta2 = _two_betas(group)
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), amsgrad=_flag(group["amsgrad"]))
 
@@ -172,10 +178,7 @@ class Lion(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        try:
-            beta1, beta2 = group["betas"]
-        except (TypeError, ValueError):
-            beta1, beta2 = _betas(group["betas"], 2)
+        beta1, beta2 = _two_betas(group)
         return dict(beta1=float(beta1), beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
 
@@ -195,10 +198,7 @@ class LAMB(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        try:
-            beta1, beta2 = group["betas"]
-        except (TypeError, ValueError):
-            beta1, beta2 = _betas(group["betas"], 2)
+        beta1, beta2 = _two_betas(group)
         return dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                     weight_decay=float(group["weight_decay"]), bias_correction=_flag(group["bias_correction"]))
 
@@ -275,10 +275,7 @@ class AdamWScheduleFree(GraphsafeOptimizer):
                          min_8bit_size=min_8bit_size)
 
     def _options(self, group):
-        try:
-            beta1, beta2 = group["betas"]
-        except (TypeError, ValueError):
-            beta1, beta2 = _betas(group["betas"], 2)
+        beta1, beta2 = _two_betas(group)
         if not float(beta1) > 0.0:  # (eval() divides by it; the core takes [0, 1))
             raise ValueError(f"invalid optimizer hyperparameter: betas[0] must be in (0, 1) for "
                              f"{type(self).__name__}, got {beta1!r}")
