@@ -22,6 +22,7 @@
 #include "graphsafe/embedding.h"
 #include "graphsafe/errors.h"
 #include "graphsafe/optim.h"
+#include "graphsafe/optim_sparse.h"
 #include "graphsafe/types.h"
 
 namespace nb = nanobind;
@@ -381,6 +382,54 @@ NB_MODULE(_C, m) {
       "(with increment_steps, for step + 1; the steps are not changed), and nothing else. The arguments are "
       "optim_step's; workspace as optim_workspace_bytes asks. Sum the shards' norms in a fixed order and pass the "
       "totals' address to optim_step(layerwise_norms=...).");
+
+  m.def(
+      "optim_sparse_workspace_bytes",
+      [](const std::string& device_type, const std::string& algorithm, const std::map<std::string, double>& options,
+         const std::string& param_dtype, int64_t numel) {
+        return optim_sparse_workspace_bytes(backend_from_name(device_type), optim_options(algorithm, options),
+                                            dtype_from_name(param_dtype), numel);
+      },
+      nb::arg("device_type"), nb::arg("algorithm"), nb::arg("options"), nb::arg("param_dtype"), nb::arg("numel"));
+
+  m.def(
+      "optim_step_sparse",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, const std::string& algorithm,
+         const std::map<std::string, double>& options, const std::string& param_dtype, std::uintptr_t lr,
+         std::uintptr_t param, const std::vector<std::uintptr_t>& states, const std::vector<std::uintptr_t>& absmax,
+         std::uintptr_t step, int64_t numel, const std::vector<std::uintptr_t>& schedule, std::uintptr_t rows,
+         std::uintptr_t row_grads, std::uintptr_t count, int64_t capacity, int64_t row_length,
+         std::uintptr_t workspace, std::size_t workspace_bytes, int state_bits, int block_size) {
+        const OptimStepArgs args =
+            optim_step_args(algorithm, options, param_dtype, lr, /*increment_steps=*/true, state_bits, block_size);
+        // The one tensor as optim_step takes it (no dense gradient: the sparse step never reads tensor.grad).
+        const std::vector<OptimTensor> tensors =
+            optim_tensors("optim_step_sparse", args, {param}, {0}, states, absmax, {step}, {numel}, schedule);
+        OptimSparseGradient gradient;
+        gradient.rows = static_cast<const int64_t*>(as_pointer(rows));
+        gradient.row_grads = as_pointer(row_grads);
+        gradient.count = static_cast<const int64_t*>(as_pointer(count));
+        gradient.capacity = capacity;
+        gradient.row_length = row_length;
+        run_on(
+            device_type, device_index,
+            [&] { optim_step_sparse_cpu(args, tensors[0], gradient, as_pointer(workspace), workspace_bytes); },
+            [&] {
+              OptimStepArgs with_error = args;
+              with_error.error = device_error_record();
+              optim_step_sparse_cuda(with_error, tensors[0], gradient, as_pointer(workspace), workspace_bytes,
+                                     reinterpret_cast<StreamHandle>(stream));
+            });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("algorithm"), nb::arg("options"),
+      nb::arg("param_dtype"), nb::arg("lr"), nb::arg("param"), nb::arg("states"), nb::arg("absmax"), nb::arg("step"),
+      nb::arg("numel"), nb::arg("schedule"), nb::arg("rows"), nb::arg("row_grads"), nb::arg("count"),
+      nb::arg("capacity"), nb::arg("row_length"), nb::arg("workspace"), nb::arg("workspace_bytes"),
+      nb::arg("state_bits"), nb::arg("block_size"),
+      "The row-sparse step of one tensor (graphsafe/optim_sparse.h): as optim_step over it with the gradient that "
+      "rows (int64, strictly increasing) and row_grads ([capacity, row_length], the param dtype) scatter into, of "
+      "which the first *count (an int64 on the params' device) are used. skip_zeros must be on. states, absmax and "
+      "schedule as optim_step's for one tensor; workspace as optim_sparse_workspace_bytes asks.");
 
   m.def(
       "quantization_map", [](bool is_signed) {

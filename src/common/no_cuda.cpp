@@ -7,6 +7,7 @@
 #include "graphsafe/embedding.h"
 #include "graphsafe/errors.h"
 #include "graphsafe/optim.h"
+#include "graphsafe/optim_sparse.h"
 #include "graphsafe/types.h"
 
 namespace graphsafe {
@@ -22,6 +23,10 @@ std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
 void optim_step_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, StreamHandle) { no_cuda(); }
 void optim_layerwise_norms_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, float*,
                                 StreamHandle) {
+  no_cuda();
+}
+void optim_step_sparse_cuda(const OptimStepArgs&, const OptimTensor&, const OptimSparseGradient&, void*, std::size_t,
+                            StreamHandle) {
   no_cuda();
 }
 void quantize_blockwise_cuda(const float*, int64_t, int, bool, uint8_t*, float*, StreamHandle) { no_cuda(); }

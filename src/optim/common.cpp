@@ -10,6 +10,7 @@
 #include "optim/blockwise.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
+#include "optim/sparse.h"
 
 namespace graphsafe {
 
@@ -211,6 +212,38 @@ std::size_t optim_workspace_bytes(Backend, const OptimOptions& o, const int64_t*
   if (optim_detail::is_layerwise(o.algorithm)) return optim_detail::layerwise_layout(numels, count).bytes;
   if (optim_schedule_size(o.algorithm) > 0) return static_cast<std::size_t>(count) * sizeof(double);
   return 0;
+}
+
+std::size_t optim_sparse_workspace_bytes(Backend backend, const OptimOptions& options, DType param_dtype,
+                                         int64_t numel) {
+  return optim_detail::sparse_workspace_layout(backend, options, param_dtype, numel).bytes;
+}
+
+void optim_detail::check_sparse_step_args(Backend backend, const OptimStepArgs& a, const OptimTensor& t,
+                                          const OptimSparseGradient& g, const void* workspace,
+                                          std::size_t workspace_bytes) {
+  OptimTensor with_grad = t;
+  with_grad.grad = g.row_grads != nullptr ? g.row_grads : t.param;  // (the dense check wants a gradient pointer)
+  check_step_args(a, &with_grad, 1);
+  if (!a.options.skip_zeros)
+    throw std::invalid_argument("sparse optimizer step: skip_zeros must be on (without it every element of the "
+                                "tensor changes, so a step over the rows alone cannot equal the dense step)");
+  if (!a.increment_steps) throw std::invalid_argument("sparse optimizer step: increment_steps must be on");
+  if (a.layerwise_norms != nullptr)
+    throw std::invalid_argument("sparse optimizer step: layerwise_norms (sharded LAMB/LARS) is not supported");
+  if (g.row_length <= 0)
+    throw std::invalid_argument("sparse optimizer step: row_length must be > 0, got " + std::to_string(g.row_length));
+  if (t.numel % g.row_length != 0)
+    throw std::invalid_argument("sparse optimizer step: row_length " + std::to_string(g.row_length) +
+                                " does not divide the tensor's " + std::to_string(t.numel) + " elements");
+  if (g.capacity < 0) throw std::invalid_argument("sparse optimizer step: negative capacity");
+  if (g.count == nullptr) throw std::invalid_argument("sparse optimizer step: count pointer is null");
+  if (g.capacity > 0 && (g.rows == nullptr || g.row_grads == nullptr))
+    throw std::invalid_argument("sparse optimizer step: null rows or row_grads pointer");
+  const std::size_t needed = sparse_workspace_layout(backend, a.options, a.param_dtype, t.numel).bytes;
+  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
+    throw std::invalid_argument("sparse optimizer step: workspace of " + std::to_string(workspace_bytes) +
+                                " bytes is smaller than the " + std::to_string(needed) + " required");
 }
 
 }  // namespace graphsafe

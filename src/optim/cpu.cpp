@@ -2,6 +2,8 @@
 // elements, or over the tensors of a step of many small ones.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "graphsafe/optim.h"
@@ -9,6 +11,7 @@
 #include "optim/blockwise.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
+#include "optim/sparse.h"
 
 namespace graphsafe {
 namespace {
@@ -202,20 +205,26 @@ void layerwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& 
   });
 }
 
-template <class T, int States>
-void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, std::size_t factors_offset) {
+// One tensor's step counted (with increment_steps) and its schedule advanced; the coefficients of that step.
+Coefficients count_step(const OptimStepArgs& a, const OptimTensor& t) {
   const OptimOptions& o = a.options;
   const float lr = *a.lr;
   const int schedule = optim_schedule_size(o.algorithm);
+  if (a.increment_steps) *t.step += 1.0f;
+  const float step = *t.step;
+  const double weight = schedule > 0 ? advance_schedule_at(o, lr, step, t.schedule, schedule) : 0.0;
+  return coefficients(o, lr, step, weight);
+}
+
+template <class T, int States>
+void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace, std::size_t factors_offset) {
+  const OptimOptions& o = a.options;
   // Each tensor's first chunk in the workspace (layer-wise norms), fixed before any tensor runs: tensors may run
   // in any order, and on any thread.
   std::vector<int64_t> chunk_base(static_cast<std::size_t>(count) + 1, 0);
   for (int t = 0; t < count; ++t) chunk_base[t + 1] = chunk_base[t] + chunk_count(tensors[t].numel);
   const auto step_tensor = [&](int t) {
-    if (a.increment_steps) *tensors[t].step += 1.0f;
-    const float step = *tensors[t].step;
-    const double weight = schedule > 0 ? advance_schedule_at(o, lr, step, tensors[t].schedule, schedule) : 0.0;
-    const Coefficients k = coefficients(o, lr, step, weight);
+    const Coefficients k = count_step(a, tensors[t]);
     if (is_layerwise(o.algorithm)) {
       const float* given = a.layerwise_norms != nullptr ? a.layerwise_norms + 2 * t : nullptr;
       layerwise<T, States>(o, k, tensors[t], a, workspace + 2 * chunk_base[t], given, workspace + factors_offset + t);
@@ -264,6 +273,92 @@ void measure_all(const OptimStepArgs& a, const OptimTensor* tensors, int count, 
   }
 }
 
+// ---- row-sparse steps (graphsafe/optim_sparse.h) ----
+//
+// Element-wise rules read nothing but their element and the tensor's coefficients, and 8-bit blocks nothing beyond
+// their own elements, so the dense step's loops run unchanged on views: for 32/16-bit states a listed row is a
+// tensor of row_length elements (its gradient row_grads[k]); for 8-bit states a span of whole quantisation blocks
+// that listed rows touch is a tensor whose gradient is those rows scattered into a buffer of the span's size.
+
+// Throws std::invalid_argument unless rows[0, count) are strictly increasing rows of the tensor and count lies in
+// [0, capacity]: read before anything is written.
+void check_sparse_rows(const OptimSparseGradient& g, int64_t num_rows, int64_t count) {
+  if (count < 0 || count > g.capacity)
+    throw std::invalid_argument("sparse optimizer step: count " + std::to_string(count) + " is outside [0, " +
+                                std::to_string(g.capacity) + "]");
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t row = g.rows[k];
+    if (row < 0 || row >= num_rows)
+      throw std::invalid_argument("sparse optimizer step: row " + std::to_string(row) + " (entry " +
+                                  std::to_string(k) + ") is out of range for a tensor of " +
+                                  std::to_string(num_rows) + " rows");
+    if (k > 0 && row <= g.rows[k - 1])
+      throw std::invalid_argument("sparse optimizer step: rows must be strictly increasing, but entry " +
+                                  std::to_string(k) + " (" + std::to_string(row) + ") follows " +
+                                  std::to_string(g.rows[k - 1]));
+  }
+}
+
+// The view of elements [begin, end) of t (begin a multiple of the block size for 8-bit states) with gradient grad.
+OptimTensor element_range(const OptimTensor& t, const OptimStepArgs& a, int64_t begin, int64_t end, const void* grad) {
+  OptimTensor v = t;
+  const std::size_t param_bytes = dtype_size(a.param_dtype), state_bytes = a.state_bits == 16 ? 2 : 4;
+  v.param = static_cast<char*>(t.param) + begin * param_bytes;
+  v.grad = grad;
+  v.numel = end - begin;
+  for (int j = 0; j < kMaxOptimStates; ++j) {
+    if (t.state[j] != nullptr) v.state[j] = static_cast<char*>(t.state[j]) + begin * state_bytes;
+    if (t.codes[j] != nullptr) v.codes[j] = t.codes[j] + begin;
+    if (t.absmax[j] != nullptr) v.absmax[j] = t.absmax[j] + begin / a.block_size;
+  }
+  return v;
+}
+
+template <class T, int States>
+void sparse_elementwise(const OptimStepArgs& a, const OptimTensor& t, const OptimSparseGradient& g, int64_t count) {
+  const OptimOptions& o = a.options;
+  const Coefficients k = count_step(a, t);
+  const int64_t d = g.row_length;
+  const T* row_grads = static_cast<const T*>(g.row_grads);
+  if (a.state_bits != 8) {
+    for_each_index(count, count * d, [&](int64_t r) {
+      const int64_t begin = g.rows[r] * d;
+      elementwise<T, States>(o, k, element_range(t, a, begin, begin + d, row_grads + r * d), a);
+    });
+    return;
+  }
+  // Spans: runs of listed rows whose quantisation blocks touch or overlap, each [first, last) rows of the list.
+  const int64_t bs = a.block_size;
+  std::vector<int64_t> span_starts;
+  for (int64_t r = 0; r < count; ++r)
+    if (r == 0 || (g.rows[r] * d) / bs > (g.rows[r - 1] * d + d - 1) / bs) span_starts.push_back(r);
+  span_starts.push_back(count);
+  const int64_t spans = static_cast<int64_t>(span_starts.size()) - 1;
+  for_each_index(spans, count * d, [&](int64_t i) {
+    const int64_t first = span_starts[i], last = span_starts[i + 1];
+    const int64_t begin = (g.rows[first] * d) / bs * bs;
+    const int64_t end = std::min(t.numel, ((g.rows[last - 1] * d + d - 1) / bs + 1) * bs);
+    std::vector<T> grad(static_cast<std::size_t>(end - begin), ElementTraits<T>::store(0.0f));
+    for (int64_t r = first; r < last; ++r)
+      std::copy(row_grads + r * d, row_grads + (r + 1) * d, grad.begin() + (g.rows[r] * d - begin));
+    elementwise<T, States>(o, k, element_range(t, a, begin, end, grad.data()), a);
+  });
+}
+
+// LAMB and LARS: the rows scattered into a dense gradient (in the workspace), then the dense step.
+template <class T>
+void sparse_through_dense(const OptimStepArgs& a, const OptimTensor& t, const OptimSparseGradient& g, int64_t count,
+                          char* workspace, std::size_t workspace_bytes, std::size_t dense_offset) {
+  T* dense = reinterpret_cast<T*>(workspace);
+  std::fill(dense, dense + t.numel, ElementTraits<T>::store(0.0f));
+  const T* row_grads = static_cast<const T*>(g.row_grads);
+  for (int64_t r = 0; r < count; ++r)
+    std::copy(row_grads + r * g.row_length, row_grads + (r + 1) * g.row_length, dense + g.rows[r] * g.row_length);
+  OptimTensor with_dense = t;
+  with_dense.grad = dense;
+  optim_step_cpu(a, &with_dense, 1, workspace + dense_offset, workspace_bytes - dense_offset);
+}
+
 }  // namespace
 
 void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool is_signed, uint8_t* codes,
@@ -306,6 +401,23 @@ void optim_layerwise_norms_cpu(const OptimStepArgs& a, const OptimTensor* tensor
     with_state_count(a.options, [&](auto states) {
       measure_all<typename decltype(type)::type, decltype(states)::value>(a, tensors, count, ws, norms);
     });
+  });
+}
+
+void optim_step_sparse_cpu(const OptimStepArgs& a, const OptimTensor& t, const OptimSparseGradient& g, void* workspace,
+                           std::size_t workspace_bytes) {
+  check_sparse_step_args(Backend::Cpu, a, t, g, workspace, workspace_bytes);
+  check_learning_rate(*a.lr);  // before anything is written: a refused step changes nothing
+  const int64_t count = *g.count;
+  check_sparse_rows(g, t.numel / g.row_length, count);
+  const SparseWorkspaceLayout layout = sparse_workspace_layout(Backend::Cpu, a.options, a.param_dtype, t.numel);
+  with_param_type(a.param_dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    if (sparse_step_goes_dense(a.options)) {
+      sparse_through_dense<T>(a, t, g, count, static_cast<char*>(workspace), workspace_bytes, layout.dense_offset);
+      return;
+    }
+    with_state_count(a.options, [&](auto states) { sparse_elementwise<T, decltype(states)::value>(a, t, g, count); });
   });
 }
 

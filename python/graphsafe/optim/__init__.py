@@ -4,9 +4,10 @@ import torch
 
 from . import algorithms
 from ._base import GraphsafeOptimizer
+from ._sparse import sparse_step
 from .algorithms import *  # noqa: F403 (the optimizer classes: algorithms.__all__)
 
-__all__ = [*algorithms.__all__, "GraphsafeOptimizer", "state_bytes"]
+__all__ = [*algorithms.__all__, "GraphsafeOptimizer", "sparse_step", "state_bytes"]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

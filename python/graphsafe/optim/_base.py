@@ -2,7 +2,7 @@
 step wrapper left out while it has nothing to do), the general per-parameter gathering of a step, and the core
 call, one per bucket of parameters (same device, dtype and state storage). Its parts live beside it:
 _state_storage (the fp32, bf16 and 8-bit forms states are kept in, and their conversions), _fast_path (the cached
-at-once gathering of a common-case step), _persistence (load_state_dict), _learning_rate (lr as a device tensor).
+at-once gathering of a common-case step), _persistence (load_state_dict), _learning_rate (lr as a device tensor), _sparse (the row-sparse step).
 
 Why lr and step are tensors: a step captured in a CUDA graph reads them from device memory on every
 replay, so torch.optim.lr_scheduler schedulers (which fill_ a tensor lr in place) keep working, and no
@@ -30,6 +30,7 @@ from .._tensor_checks import require_readable, unreadable_reason
 from ._fast_path import _FastPath, _shape_of
 from ._learning_rate import _check_lr, _lr_tensor
 from ._persistence import _Persistence
+from ._sparse import _SparseStep
 from ._shards import check_grad, check_param, local_of, shard_layouts, whole_tensor_norms
 from ._state_storage import _StateMap, _StateStorage, _check_state_tensors, _check_storage_options, \
     _in_step_form, _state_keys, _storage_bits
@@ -61,7 +62,7 @@ def _table_state_names(algorithm: str, options: tuple[tuple[str, float], ...]) -
     return tuple(_C.optim_state_names(algorithm, dict(options)))
 
 
-class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, torch.optim.Optimizer):
+class GraphsafeOptimizer(_FastPath, _StateStorage, _Persistence, _SparseStep, torch.optim.Optimizer):
     """Base class: subclasses name the core algorithm and map a param group to core options."""
 
     algorithm: str = ""

@@ -7,6 +7,7 @@
 
 #include "common/cuda_check.h"
 #include "graphsafe/optim.h"
+#include "graphsafe/optim_sparse.h"
 
 namespace graphsafe::optim_detail {
 
@@ -29,5 +30,16 @@ void launch_layerwise_step(const OptimStepArgs& a, const OptimTensor* tensors, i
 // partials) and then each tensor's 2 norms into norms.
 void launch_layerwise_norms(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
                             float* norms, cudaStream_t stream);
+
+// sparse.cu: the row-sparse step (graphsafe/optim_sparse.h) of one tensor whose step the launch ahead counted:
+// the element-wise algorithms with fp32 or bf16 states (schedule_weight: an algorithm with a schedule, the tensor's
+// advance_schedule result in device memory, else null), with 8-bit states, and the scatter of the rows into a
+// zeroed dense gradient (the LAMB/LARS route).
+void launch_sparse_elementwise_step(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
+                                    const double* schedule_weight, cudaStream_t stream);
+void launch_sparse_quantized_step(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
+                                  cudaStream_t stream);
+void launch_sparse_scatter(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
+                           void* dense, cudaStream_t stream);
 
 }  // namespace graphsafe::optim_detail

@@ -102,5 +102,13 @@ struct UtilityPolicy {
   static constexpr int kMaxSchedules = 128;
 };
 
+// The row-sparse step's kernels (sparse.cu): element-wise and scatter kernels of kThreads threads; every kernel's
+// grid is capped at kMaxBlocks blocks, which loop over the rest (a capacity's grid is mostly blocks that exit:
+// rows past the device-side count).
+struct SparsePolicy {
+  static constexpr int kThreads = 256;
+  static constexpr int64_t kMaxBlocks = 4096;
+};
+
 }  // namespace
 }  // namespace graphsafe

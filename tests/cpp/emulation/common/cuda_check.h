@@ -82,6 +82,10 @@ inline int cudaGetDevice(int* device) { *device = 0; return 0; }
 inline int cudaDeviceGetAttribute(int* value, int, int) { *value = 2; return 0; }  // 2 SMs: grids stay small
 template <class Kernel>
 inline int cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, std::size_t) { *blocks = 3; return 0; }
+inline int cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return 0;
+}
 #define GS_CUDA_CHECK(expr) (void)(expr)
 #define GS_CUDA_CHECK_LAUNCH() (void)0
 

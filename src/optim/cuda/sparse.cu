@@ -1,0 +1,267 @@
+// The row-sparse step's kernels (graphsafe/optim_sparse.h): element-wise algorithms with fp32 or bf16 states, one
+// thread per element of a listed row; with 8-bit states, one thread block per quantisation block that a listed
+// row touches; and the scatter of the rows into a dense gradient for LAMB and LARS. Each applies the rule the dense
+// kernels apply (rules.h), with the same coefficients and, for 8-bit states, the same Math and quantiser, so the
+// bits are the dense step's. Grids are sized from the capacity; threads past the device-side count exit.
+#include <cstdint>
+
+#include "common/cuda_check.h"
+#include "common/device_error.cuh"
+#include "common/launch.h"
+#include "graphsafe/optim.h"
+#include "graphsafe/optim_sparse.h"
+#include "optim/backend.h"
+#include "optim/blockwise.h"
+#include "optim/cuda/element_loop.cuh"
+#include "optim/cuda/launch_table.cuh"
+#include "optim/cuda/launchers.h"
+#include "optim/cuda/policy.cuh"
+#include "optim/cuda/quantization_maps.cuh"
+#include "optim/rules.h"
+
+namespace graphsafe {
+namespace {
+
+using namespace optim_detail;
+
+constexpr int kThreads = SparsePolicy::kThreads;
+
+// One tensor's pointers as the sparse kernels take them.
+struct SparseTarget {
+  void* param;
+  void* state[kMaxOptimStates];
+  uint8_t* codes[kMaxOptimStates];
+  float* absmax[kMaxOptimStates];
+  const float* step;
+  int64_t numel;
+};
+
+struct SparseRows {
+  const int64_t* rows;
+  const void* row_grads;
+  const int64_t* count;
+  int64_t capacity, row_length;
+};
+
+SparseTarget target_of(const OptimTensor& t) {
+  SparseTarget x{};
+  x.param = t.param;
+  for (int j = 0; j < kMaxOptimStates; ++j) {
+    x.state[j] = t.state[j];
+    x.codes[j] = t.codes[j];
+    x.absmax[j] = t.absmax[j];
+  }
+  x.step = t.step;
+  x.numel = t.numel;
+  return x;
+}
+
+SparseRows rows_of(const OptimSparseGradient& g) { return {g.rows, g.row_grads, g.count, g.capacity, g.row_length}; }
+
+// The rows in use: count, clamped to the capacity (a larger count is reported and the capacity's rows are stepped).
+__device__ int64_t rows_in_use(const SparseRows& r, DeviceErrorRecord* error) {
+  const int64_t count = *r.count;
+  if (count > r.capacity && blockIdx.x == 0 && threadIdx.x == 0 && error != nullptr)
+    report_index_out_of_range(error, count, r.capacity + 1);
+  return count < 0 ? 0 : (count > r.capacity ? r.capacity : count);
+}
+
+// Whether entry k of the list is a row of the tensor that follows the previous entry (rows strictly increasing);
+// a row that is not is left alone and reported (by its first element's thread: report).
+__device__ bool row_usable(const SparseRows& r, int64_t k, int64_t num_rows, bool report, DeviceErrorRecord* error) {
+  const int64_t row = r.rows[k];
+  const bool usable = row >= 0 && row < num_rows && (k == 0 || r.rows[k - 1] < row);
+  if (!usable && report && error != nullptr) report_index_out_of_range(error, row, num_rows);
+  return usable;
+}
+
+// The coefficients of the tensor's step (its step was counted by the launch ahead), formed once per block.
+__device__ void share_sparse_coefficients(const OptimOptions& o, float rate, const SparseTarget& t,
+                                          const double* schedule_weight, Coefficients& shared) {
+  if (threadIdx.x == 0) shared = coefficients(o, rate, *t.step, schedule_weight != nullptr ? *schedule_weight : 0.0);
+  __syncthreads();
+}
+
+// fp32 (Bits 32) or bf16 (Bits 16) states: one thread per element of the listed rows, elementwise_step as the dense
+// kernel (elementwise.cu) runs it.
+template <class T, int States, int Bits>
+__global__ void __launch_bounds__(kThreads)
+    sparse_elementwise_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r,
+                              const double* schedule_weight) {
+  using S = StateType<Bits>;
+  const float rate = *lr.value;
+  if (!learning_rate_usable(lr, rate)) return;
+  __shared__ Coefficients k;
+  share_sparse_coefficients(o, rate, t, schedule_weight, k);
+  const int64_t d = r.row_length, num_rows = t.numel / d, count = rows_in_use(r, lr.error);
+  const int64_t total = count * d;
+  T* param = static_cast<T*>(t.param);
+  const T* row_grads = static_cast<const T*>(r.row_grads);
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t slot = i / d, column = i - slot * d;
+    if (!row_usable(r, slot, num_rows, column == 0, lr.error)) continue;
+    const int64_t e = r.rows[slot] * d + column;
+    const float g = ElementTraits<T>::load(row_grads[i]);
+    if (skipped(o, g)) continue;
+    float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
+#pragma unroll
+    for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(static_cast<S*>(t.state[j])[e]);
+    float p = ElementTraits<T>::load(param[e]);
+    elementwise_step(o, k, g, p, s);
+    param[e] = ElementTraits<T>::store(p);
+#pragma unroll
+    for (int j = 0; j < States; ++j) static_cast<S*>(t.state[j])[e] = ElementTraits<S>::store(s[j]);
+  }
+}
+
+// The largest of the block's values (unsigned: absmax keys, or 0/1 flags), on every thread: a tree over shared
+// memory (max is exact in any order).
+__device__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half && scratch[threadIdx.x + half] > scratch[threadIdx.x])
+      scratch[threadIdx.x] = scratch[threadIdx.x + half];
+    __syncthreads();
+  }
+  const uint32_t result = scratch[0];
+  __syncthreads();  // read by all before the next call overwrites it
+  return result;
+}
+
+// 8-bit states: one thread block of block_size threads per quantisation block, one element per thread. Work item
+// (k, i) is block i of those row k's elements touch; a block that the previous listed row touches too is that
+// row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the dense
+// step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the dense
+// kernel's), and, if any element was updated, the states requantised with quantize_block's absmax and codes.
+template <class T, int States, OptimAlgorithm A, class Math>
+__global__ void __launch_bounds__(1024)
+    sparse_quantized_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r, int block_size,
+                            int64_t blocks_per_row) {
+  const float rate = *lr.value;
+  if (!learning_rate_usable(lr, rate)) return;
+  __shared__ Coefficients k;
+  __shared__ uint32_t scratch[1024];
+  share_sparse_coefficients(o, rate, t, nullptr, k);
+  const int64_t d = r.row_length, num_rows = t.numel / d, count = rows_in_use(r, lr.error);
+  T* param = static_cast<T*>(t.param);
+  const T* row_grads = static_cast<const T*>(r.row_grads);
+  for (int64_t item = blockIdx.x; item < count * blocks_per_row; item += gridDim.x) {
+    const int64_t slot = item / blocks_per_row;
+    if (!row_usable(r, slot, num_rows, item % blocks_per_row == 0 && threadIdx.x == 0, lr.error)) continue;
+    const int64_t row = r.rows[slot];
+    const int64_t b = row * d / block_size + item % blocks_per_row;
+    if (b > (row * d + d - 1) / block_size) continue;                                          // past the row
+    if (slot > 0 && r.rows[slot - 1] >= 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // not ours
+    const int64_t e = b * block_size + threadIdx.x;
+    const bool inside = e < t.numel;
+    float g = 0.0f;
+    if (inside) {  // the gradient of element e: its row's entry of the list, if listed (rows from `slot` on)
+      const int64_t element_row = e / d;
+      int64_t j = slot;
+      while (j < count && r.rows[j] < element_row) ++j;
+      if (j < count && r.rows[j] == element_row) g = ElementTraits<T>::load(row_grads[j * d + (e - element_row * d)]);
+    }
+    float s[4] = {};
+    float p = 0.0f;
+    if (inside) {
+#pragma unroll
+      for (int j = 0; j < States; ++j)
+        s[j] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, j)), t.codes[j][e], t.absmax[j][b]);
+      p = ElementTraits<T>::load(param[e]);
+    }
+    const bool updated = inside && !skipped(o, g);
+    if (updated) {
+      elementwise_rule<A, Math>(o, k, g, p, s);
+      param[e] = ElementTraits<T>::store(p);
+    }
+    if (block_max(updated ? 1u : 0u, scratch) == 0) continue;  // an all-skipped block keeps codes and absmax
+#pragma unroll
+    for (int j = 0; j < States; ++j) {
+      const bool is_signed = state_is_signed(o, j);
+      const float absmax = absmax_finish(bits_float(block_max(inside ? float_bits(absmax_key(s[j])) : 0u, scratch)));
+      if (inside)
+        t.codes[j][e] = quantize_value(kSharedMapsImage.words(is_signed), is_signed,
+                                       normalized_or_nan(s[j], block_scale(absmax)));
+      if (threadIdx.x == 0) t.absmax[j][b] = absmax;
+    }
+  }
+}
+
+// LAMB and LARS: the listed rows into a zeroed dense gradient (the step after it is the dense one).
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    scatter_rows_kernel(SparseRows r, int64_t numel, T* dense, DeviceErrorRecord* error) {
+  const int64_t d = r.row_length, num_rows = numel / d, count = rows_in_use(r, error);
+  const T* row_grads = static_cast<const T*>(r.row_grads);
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < count * d; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t slot = i / d, column = i - slot * d;
+    if (row_usable(r, slot, num_rows, column == 0, error)) dense[r.rows[slot] * d + column] = row_grads[i];
+  }
+}
+
+// Blocks for `items` work items, capped (blocks loop over the rest).
+int64_t grid_of(int64_t items) { return items < 1 ? 1 : (items < SparsePolicy::kMaxBlocks ? items : SparsePolicy::kMaxBlocks); }
+
+}  // namespace
+
+void optim_detail::launch_sparse_elementwise_step(const OptimStepArgs& a, const OptimTensor& tensor,
+                                                  const OptimSparseGradient& g, const double* schedule_weight,
+                                                  cudaStream_t stream) {
+  const SparseTarget t = target_of(tensor);
+  const SparseRows r = rows_of(g);
+  const LearningRate lr = learning_rate(a);
+  const int64_t blocks = grid_of((g.capacity * g.row_length + kThreads - 1) / kThreads);
+  with_param_type(a.param_dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    with_state_count(a.options, [&](auto states) {
+      constexpr int States = decltype(states)::value;
+      const auto kernel = a.state_bits == 16 ? &sparse_elementwise_kernel<T, States, 16>
+                                             : &sparse_elementwise_kernel<T, States, 32>;  // GS_LAUNCH: one token
+      GS_LAUNCH(kernel, blocks, kThreads, stream, a.options, lr, t, r, schedule_weight);
+      GS_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const OptimTensor& tensor,
+                                                const OptimSparseGradient& g, cudaStream_t stream) {
+  const SparseTarget t = target_of(tensor);
+  const SparseRows r = rows_of(g);
+  const LearningRate lr = learning_rate(a);
+  const OptimOptions& o = a.options;
+  // A row of d elements touches at most ceil(d / block_size) + 1 blocks.
+  const int64_t blocks_per_row = (g.row_length + a.block_size - 1) / a.block_size + 1;
+  const int64_t blocks = grid_of(g.capacity * blocks_per_row);
+  const int b = a.block_size;
+  with_param_type(a.param_dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    with_state_count(o, [&](auto states) {
+      constexpr int States = decltype(states)::value;
+      with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
+        constexpr OptimAlgorithm A = decltype(algorithm)::value;
+        if constexpr (quantizable(A)) {  // (check_step_args refuses the others' 8-bit steps)
+          // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
+          const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
+                                                                     : &sparse_quantized_kernel<T, States, A, ExactMath>;
+          GS_LAUNCH(kernel, blocks, b, stream, o, lr, t, r, b, blocks_per_row);
+          GS_CUDA_CHECK_LAUNCH();
+        }
+      });
+    });
+  });
+}
+
+void optim_detail::launch_sparse_scatter(const OptimStepArgs& a, const OptimTensor& tensor,
+                                         const OptimSparseGradient& g, void* dense, cudaStream_t stream) {
+  const SparseRows r = rows_of(g);
+  const int64_t blocks = grid_of((g.capacity * g.row_length + kThreads - 1) / kThreads);
+  with_param_type(a.param_dtype, [&](auto type) {
+    using T = typename decltype(type)::type;
+    const auto kernel = &scatter_rows_kernel<T>;
+    GS_LAUNCH(kernel, blocks, kThreads, stream, r, tensor.numel, static_cast<T*>(dense), a.error);
+    GS_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace graphsafe
