@@ -9,6 +9,7 @@ from . import embedding  # noqa: F401,E402 - registers the "embedding" suite
 from . import optim  # noqa: F401,E402 - registers the "optim" suite
 from . import train  # noqa: F401,E402 - registers the "train" suite
 from . import distributed  # noqa: F401,E402 - registers the "dist" suite
+from . import sparse  # noqa: F401,E402 - registers the "sparse" suite
 
 __all__ = ["BenchContext", "BenchOptions", "Suite", "Target", "register_suite", "run_bench", "suites", "run_demo"]
 
