@@ -17,8 +17,10 @@
 //   tensor and its states).
 // The step count is incremented on every call, as the dense step increments it whatever the gradient.
 // Invalid input (a row out of range, rows not increasing, count > capacity): the CPU throws std::invalid_argument
-// before writing anything; on CUDA such a row is not updated, nothing is written out of bounds, and the error is
-// recorded (OptimStepArgs::error) for the host to raise later.
+// before writing anything. CUDA, which reads the rows on the device only, steps the list's valid prefix (the entries
+// before the first invalid one; a count above the capacity counts as the capacity), writes nothing out of bounds,
+// and records the error (OptimStepArgs::error) for the host to raise later. The workspace
+// (optim_sparse_workspace_bytes, 256-byte aligned on CUDA) holds that prefix's length.
 #pragma once
 
 #include <cstddef>
@@ -36,8 +38,9 @@ struct OptimSparseGradient {
   int64_t row_length = 0;            // > 0, divides the tensor's numel
 };
 
-// Scratch bytes of a sparse step over a tensor of `numel` elements (LAMB and LARS: a dense gradient and the
-// dense step's workspace; an algorithm with a schedule: one float64). Depends on sizes only.
+// Scratch bytes of a sparse step over a tensor of `numel` elements (src/optim/sparse.h, SparseWorkspaceLayout: the
+// valid prefix's length; LAMB and LARS: a dense gradient and the dense step's workspace; an algorithm with a
+// schedule: one float64). Depends on sizes only; never 0.
 std::size_t optim_sparse_workspace_bytes(Backend backend, const OptimOptions& options, DType param_dtype,
                                          int64_t numel);
 

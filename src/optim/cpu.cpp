@@ -348,15 +348,15 @@ void sparse_elementwise(const OptimStepArgs& a, const OptimTensor& t, const Opti
 // LAMB and LARS: the rows scattered into a dense gradient (in the workspace), then the dense step.
 template <class T>
 void sparse_through_dense(const OptimStepArgs& a, const OptimTensor& t, const OptimSparseGradient& g, int64_t count,
-                          char* workspace, std::size_t workspace_bytes, std::size_t dense_offset) {
-  T* dense = reinterpret_cast<T*>(workspace);
+                          char* workspace, std::size_t workspace_bytes, const SparseWorkspaceLayout& layout) {
+  T* dense = reinterpret_cast<T*>(workspace + layout.dense_gradient);
   std::fill(dense, dense + t.numel, ElementTraits<T>::store(0.0f));
   const T* row_grads = static_cast<const T*>(g.row_grads);
   for (int64_t r = 0; r < count; ++r)
     std::copy(row_grads + r * g.row_length, row_grads + (r + 1) * g.row_length, dense + g.rows[r] * g.row_length);
   OptimTensor with_dense = t;
   with_dense.grad = dense;
-  optim_step_cpu(a, &with_dense, 1, workspace + dense_offset, workspace_bytes - dense_offset);
+  optim_step_cpu(a, &with_dense, 1, workspace + layout.step_workspace, workspace_bytes - layout.step_workspace);
 }
 
 }  // namespace
@@ -414,7 +414,7 @@ void optim_step_sparse_cpu(const OptimStepArgs& a, const OptimTensor& t, const O
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     if (sparse_step_goes_dense(a.options)) {
-      sparse_through_dense<T>(a, t, g, count, static_cast<char*>(workspace), workspace_bytes, layout.dense_offset);
+      sparse_through_dense<T>(a, t, g, count, static_cast<char*>(workspace), workspace_bytes, layout);
       return;
     }
     with_state_count(a.options, [&](auto states) { sparse_elementwise<T, decltype(states)::value>(a, t, g, count); });

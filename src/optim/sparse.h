@@ -17,19 +17,22 @@ inline bool sparse_step_goes_dense(const OptimOptions& o) { return is_layerwise(
 
 inline std::size_t round_up_to_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// The dense route's workspace: the dense gradient first (numel elements of the parameter's dtype), then the dense
-// step's workspace from dense_offset. The other algorithms' workspace is the dense step's (a schedule's float64).
+// The workspace of a sparse step, the same on both backends: from valid_rows (CUDA) the length of the list's valid
+// prefix as a uint64 (sparse.cu); for the dense route from dense_gradient the dense gradient (numel elements of the
+// parameter's dtype); from step_workspace the dense step's own workspace (LAMB/LARS norms, a schedule's float64).
+// Every piece starts on a 256-byte boundary of a 256-byte aligned workspace.
 struct SparseWorkspaceLayout {
-  std::size_t dense_offset = 0;
+  std::size_t valid_rows = 0, dense_gradient = 0, step_workspace = 0;
   std::size_t bytes = 0;
 };
 
 inline SparseWorkspaceLayout sparse_workspace_layout(Backend backend, const OptimOptions& o, DType param_dtype,
                                                      int64_t numel) {
   SparseWorkspaceLayout l;
+  l.dense_gradient = l.step_workspace = 256;
   if (sparse_step_goes_dense(o))
-    l.dense_offset = round_up_to_256(static_cast<std::size_t>(numel) * dtype_size(param_dtype));
-  l.bytes = l.dense_offset + optim_workspace_bytes(backend, o, &numel, 1);
+    l.step_workspace += round_up_to_256(static_cast<std::size_t>(numel) * dtype_size(param_dtype));
+  l.bytes = l.step_workspace + optim_workspace_bytes(backend, o, &numel, 1);
   return l;
 }
 

@@ -138,32 +138,38 @@ void optim_step_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int cou
 void optim_step_sparse_cuda(const OptimStepArgs& a, const OptimTensor& t, const OptimSparseGradient& g, void* workspace,
                             std::size_t workspace_bytes, StreamHandle stream) {
   check_sparse_step_args(Backend::Cuda, a, t, g, workspace, workspace_bytes);
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
+    throw std::invalid_argument("sparse optimizer step: the CUDA workspace must be 256-byte aligned");
   const auto s = static_cast<cudaStream_t>(stream);
+  const SparseWorkspaceLayout layout = sparse_workspace_layout(Backend::Cuda, a.options, a.param_dtype, t.numel);
+  char* const ws = static_cast<char*>(workspace);
+  // The list's valid prefix first: every kernel after steps only those rows (sparse.cu says why).
+  auto* valid_rows = reinterpret_cast<unsigned long long*>(ws + layout.valid_rows);
+  GS_CUDA_CHECK(cudaMemsetAsync(valid_rows, 0xff, sizeof(unsigned long long), s));
+  if (g.capacity > 0) launch_sparse_valid_rows(a, t, g, valid_rows, s);
   if (sparse_step_goes_dense(a.options)) {  // LAMB, LARS: the rows scattered into a dense gradient, the dense step
-    const SparseWorkspaceLayout layout = sparse_workspace_layout(Backend::Cuda, a.options, a.param_dtype, t.numel);
-    if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
-      throw std::invalid_argument("sparse optimizer step: the CUDA workspace must be 256-byte aligned");
     OptimTensor dense = t;
-    dense.grad = workspace;
-    GS_CUDA_CHECK(cudaMemsetAsync(workspace, 0, static_cast<std::size_t>(t.numel) * dtype_size(a.param_dtype), s));
-    if (g.capacity > 0) launch_sparse_scatter(a, t, g, workspace, s);
+    dense.grad = ws + layout.dense_gradient;
+    GS_CUDA_CHECK(cudaMemsetAsync(ws + layout.dense_gradient, 0,
+                                  static_cast<std::size_t>(t.numel) * dtype_size(a.param_dtype), s));
+    if (g.capacity > 0) launch_sparse_scatter(a, t, g, valid_rows, ws + layout.dense_gradient, s);
     OptimStepArgs dense_args = a;
     dense_args.finish_counter = nullptr;
-    optim_step_cuda(dense_args, &dense, 1, static_cast<char*>(workspace) + layout.dense_offset,
-                    workspace_bytes - layout.dense_offset, stream);
+    optim_step_cuda(dense_args, &dense, 1, ws + layout.step_workspace, workspace_bytes - layout.step_workspace,
+                    stream);
     return;
   }
   // The step counted (and a schedule advanced) ahead, as the dense step does without a finish counter.
   double* schedule_weight = nullptr;
   if (optim_schedule_size(a.options.algorithm) > 0) {
-    schedule_weight = static_cast<double*>(workspace);
+    schedule_weight = reinterpret_cast<double*>(ws + layout.step_workspace);
     advance_schedules(a, &t, 1, schedule_weight, s);
   } else {
     increment_steps({t.step}, learning_rate(a), s);
   }
   if (g.capacity == 0 || t.numel == 0) return;
-  if (a.state_bits == 8) launch_sparse_quantized_step(a, t, g, s);
-  else launch_sparse_elementwise_step(a, t, g, schedule_weight, s);
+  if (a.state_bits == 8) launch_sparse_quantized_step(a, t, g, valid_rows, s);
+  else launch_sparse_elementwise_step(a, t, g, valid_rows, schedule_weight, s);
 }
 
 void optim_layerwise_norms_cuda(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,

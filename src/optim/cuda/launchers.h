@@ -31,15 +31,19 @@ void launch_layerwise_step(const OptimStepArgs& a, const OptimTensor* tensors, i
 void launch_layerwise_norms(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* workspace,
                             float* norms, cudaStream_t stream);
 
-// sparse.cu: the row-sparse step (graphsafe/optim_sparse.h) of one tensor whose step the launch ahead counted:
-// the element-wise algorithms with fp32 or bf16 states (schedule_weight: an algorithm with a schedule, the tensor's
-// advance_schedule result in device memory, else null), with 8-bit states, and the scatter of the rows into a
-// zeroed dense gradient (the LAMB/LARS route).
+// sparse.cu: the row-sparse step (graphsafe/optim_sparse.h) of one tensor. launch_sparse_valid_rows writes the
+// length of the list's valid prefix to valid_rows (set to all ones before), which the others read: the element-wise
+// algorithms with fp32 or bf16 states (schedule_weight: an algorithm with a schedule, the tensor's advance_schedule
+// result in device memory, else null) and with 8-bit states, whose step the launch ahead counted, and the scatter of
+// the rows into a zeroed dense gradient (the LAMB/LARS route).
+void launch_sparse_valid_rows(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
+                              unsigned long long* valid_rows, cudaStream_t stream);
 void launch_sparse_elementwise_step(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
-                                    const double* schedule_weight, cudaStream_t stream);
+                                    const unsigned long long* valid_rows, const double* schedule_weight,
+                                    cudaStream_t stream);
 void launch_sparse_quantized_step(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
-                                  cudaStream_t stream);
+                                  const unsigned long long* valid_rows, cudaStream_t stream);
 void launch_sparse_scatter(const OptimStepArgs& a, const OptimTensor& tensor, const OptimSparseGradient& g,
-                           void* dense, cudaStream_t stream);
+                           const unsigned long long* valid_rows, void* dense, cudaStream_t stream);
 
 }  // namespace graphsafe::optim_detail

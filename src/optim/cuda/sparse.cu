@@ -58,21 +58,36 @@ SparseTarget target_of(const OptimTensor& t) {
 
 SparseRows rows_of(const OptimSparseGradient& g) { return {g.rows, g.row_grads, g.count, g.capacity, g.row_length}; }
 
-// The rows in use: count, clamped to the capacity (a larger count is reported and the capacity's rows are stepped).
-__device__ int64_t rows_in_use(const SparseRows& r, DeviceErrorRecord* error) {
+// The entries of the list the step uses: [0, count) clamped to the capacity. The kernels step only the list's
+// valid prefix, up to the first entry that is not a row of the tensor above the entry before it: a later entry
+// cannot be trusted either (a repeat of an earlier row further on would be stepped twice, and the 8-bit kernel's
+// block ownership and gradient lookup assume an increasing list), and the prefix is what find_valid_rows_kernel
+// leaves in *valid_rows.
+__device__ int64_t entries(const SparseRows& r) {
   const int64_t count = *r.count;
-  if (count > r.capacity && blockIdx.x == 0 && threadIdx.x == 0 && error != nullptr)
-    report_index_out_of_range(error, count, r.capacity + 1);
   return count < 0 ? 0 : (count > r.capacity ? r.capacity : count);
 }
 
-// Whether entry k of the list is a row of the tensor that follows the previous entry (rows strictly increasing);
-// a row that is not is left alone and reported (by its first element's thread: report).
-__device__ bool row_usable(const SparseRows& r, int64_t k, int64_t num_rows, bool report, DeviceErrorRecord* error) {
-  const int64_t row = r.rows[k];
-  const bool usable = row >= 0 && row < num_rows && (k == 0 || r.rows[k - 1] < row);
-  if (!usable && report && error != nullptr) report_index_out_of_range(error, row, num_rows);
-  return usable;
+__device__ int64_t rows_in_use(const SparseRows& r, const unsigned long long* valid_rows) {
+  const int64_t count = entries(r);
+  const unsigned long long valid = *valid_rows;
+  return valid < static_cast<unsigned long long>(count) ? static_cast<int64_t>(valid) : count;
+}
+
+// The valid prefix's length: the smallest index of an invalid entry (atomicMin: the same in any order), left at
+// all ones when every entry is valid. Invalid entries, and a count above the capacity, are reported.
+__global__ void __launch_bounds__(kThreads)
+    find_valid_rows_kernel(SparseRows r, int64_t num_rows, unsigned long long* valid_rows, DeviceErrorRecord* error) {
+  const int64_t count = *r.count;
+  if (count > r.capacity && blockIdx.x == 0 && threadIdx.x == 0 && error != nullptr)
+    report_index_out_of_range(error, count, r.capacity + 1);
+  const int64_t n = entries(r);
+  for (int64_t k = int64_t(blockIdx.x) * kThreads + threadIdx.x; k < n; k += int64_t(gridDim.x) * kThreads) {
+    const int64_t row = r.rows[k];
+    if (row >= 0 && row < num_rows && (k == 0 || r.rows[k - 1] < row)) continue;
+    atomicMin(valid_rows, static_cast<unsigned long long>(k));
+    if (error != nullptr) report_index_out_of_range(error, row, num_rows);
+  }
 }
 
 // The coefficients of the tensor's step (its step was counted by the launch ahead), formed once per block.
@@ -87,20 +102,18 @@ __device__ void share_sparse_coefficients(const OptimOptions& o, float rate, con
 template <class T, int States, int Bits>
 __global__ void __launch_bounds__(kThreads)
     sparse_elementwise_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r,
-                              const double* schedule_weight) {
+                              const unsigned long long* valid_rows, const double* schedule_weight) {
   using S = StateType<Bits>;
   const float rate = *lr.value;
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
   share_sparse_coefficients(o, rate, t, schedule_weight, k);
-  const int64_t d = r.row_length, num_rows = t.numel / d, count = rows_in_use(r, lr.error);
-  const int64_t total = count * d;
+  const int64_t d = r.row_length, total = rows_in_use(r, valid_rows) * d;
   T* param = static_cast<T*>(t.param);
   const T* row_grads = static_cast<const T*>(r.row_grads);
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
-    const int64_t slot = i / d, column = i - slot * d;
-    if (!row_usable(r, slot, num_rows, column == 0, lr.error)) continue;
-    const int64_t e = r.rows[slot] * d + column;
+    const int64_t slot = i / d;
+    const int64_t e = r.rows[slot] * d + (i - slot * d);
     const float g = ElementTraits<T>::load(row_grads[i]);
     if (skipped(o, g)) continue;
     float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
@@ -136,23 +149,22 @@ __device__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
 // kernel's), and, if any element was updated, the states requantised with quantize_block's absmax and codes.
 template <class T, int States, OptimAlgorithm A, class Math>
 __global__ void __launch_bounds__(1024)
-    sparse_quantized_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r, int block_size,
-                            int64_t blocks_per_row) {
+    sparse_quantized_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r,
+                            const unsigned long long* valid_rows, int block_size, int64_t blocks_per_row) {
   const float rate = *lr.value;
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
   __shared__ uint32_t scratch[1024];
   share_sparse_coefficients(o, rate, t, nullptr, k);
-  const int64_t d = r.row_length, num_rows = t.numel / d, count = rows_in_use(r, lr.error);
+  const int64_t d = r.row_length, count = rows_in_use(r, valid_rows);
   T* param = static_cast<T*>(t.param);
   const T* row_grads = static_cast<const T*>(r.row_grads);
   for (int64_t item = blockIdx.x; item < count * blocks_per_row; item += gridDim.x) {
     const int64_t slot = item / blocks_per_row;
-    if (!row_usable(r, slot, num_rows, item % blocks_per_row == 0 && threadIdx.x == 0, lr.error)) continue;
     const int64_t row = r.rows[slot];
     const int64_t b = row * d / block_size + item % blocks_per_row;
     if (b > (row * d + d - 1) / block_size) continue;                                          // past the row
-    if (slot > 0 && r.rows[slot - 1] >= 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // not ours
+    if (slot > 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // the previous entry's block
     const int64_t e = b * block_size + threadIdx.x;
     const bool inside = e < t.numel;
     float g = 0.0f;
@@ -191,12 +203,12 @@ __global__ void __launch_bounds__(1024)
 // LAMB and LARS: the listed rows into a zeroed dense gradient (the step after it is the dense one).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    scatter_rows_kernel(SparseRows r, int64_t numel, T* dense, DeviceErrorRecord* error) {
-  const int64_t d = r.row_length, num_rows = numel / d, count = rows_in_use(r, error);
+    scatter_rows_kernel(SparseRows r, const unsigned long long* valid_rows, T* dense) {
+  const int64_t d = r.row_length, total = rows_in_use(r, valid_rows) * d;
   const T* row_grads = static_cast<const T*>(r.row_grads);
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < count * d; i += int64_t(gridDim.x) * kThreads) {
-    const int64_t slot = i / d, column = i - slot * d;
-    if (row_usable(r, slot, num_rows, column == 0, error)) dense[r.rows[slot] * d + column] = row_grads[i];
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t slot = i / d;
+    dense[r.rows[slot] * d + (i - slot * d)] = row_grads[i];
   }
 }
 
@@ -205,9 +217,18 @@ int64_t grid_of(int64_t items) { return items < 1 ? 1 : (items < SparsePolicy::k
 
 }  // namespace
 
+void optim_detail::launch_sparse_valid_rows(const OptimStepArgs& a, const OptimTensor& tensor,
+                                            const OptimSparseGradient& g, unsigned long long* valid_rows,
+                                            cudaStream_t stream) {
+  const auto kernel = &find_valid_rows_kernel;
+  GS_LAUNCH(kernel, grid_of((g.capacity + kThreads - 1) / kThreads), kThreads, stream, rows_of(g),
+            tensor.numel / g.row_length, valid_rows, a.error);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
 void optim_detail::launch_sparse_elementwise_step(const OptimStepArgs& a, const OptimTensor& tensor,
-                                                  const OptimSparseGradient& g, const double* schedule_weight,
-                                                  cudaStream_t stream) {
+                                                  const OptimSparseGradient& g, const unsigned long long* valid_rows,
+                                                  const double* schedule_weight, cudaStream_t stream) {
   const SparseTarget t = target_of(tensor);
   const SparseRows r = rows_of(g);
   const LearningRate lr = learning_rate(a);
@@ -218,14 +239,15 @@ void optim_detail::launch_sparse_elementwise_step(const OptimStepArgs& a, const 
       constexpr int States = decltype(states)::value;
       const auto kernel = a.state_bits == 16 ? &sparse_elementwise_kernel<T, States, 16>
                                              : &sparse_elementwise_kernel<T, States, 32>;  // GS_LAUNCH: one token
-      GS_LAUNCH(kernel, blocks, kThreads, stream, a.options, lr, t, r, schedule_weight);
+      GS_LAUNCH(kernel, blocks, kThreads, stream, a.options, lr, t, r, valid_rows, schedule_weight);
       GS_CUDA_CHECK_LAUNCH();
     });
   });
 }
 
 void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const OptimTensor& tensor,
-                                                const OptimSparseGradient& g, cudaStream_t stream) {
+                                                const OptimSparseGradient& g, const unsigned long long* valid_rows,
+                                                cudaStream_t stream) {
   const SparseTarget t = target_of(tensor);
   const SparseRows r = rows_of(g);
   const LearningRate lr = learning_rate(a);
@@ -244,7 +266,7 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
           // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
           const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
                                                                      : &sparse_quantized_kernel<T, States, A, ExactMath>;
-          GS_LAUNCH(kernel, blocks, b, stream, o, lr, t, r, b, blocks_per_row);
+          GS_LAUNCH(kernel, blocks, b, stream, o, lr, t, r, valid_rows, b, blocks_per_row);
           GS_CUDA_CHECK_LAUNCH();
         }
       });
@@ -252,14 +274,14 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
   });
 }
 
-void optim_detail::launch_sparse_scatter(const OptimStepArgs& a, const OptimTensor& tensor,
-                                         const OptimSparseGradient& g, void* dense, cudaStream_t stream) {
+void optim_detail::launch_sparse_scatter(const OptimStepArgs& a, const OptimTensor&, const OptimSparseGradient& g,
+                                         const unsigned long long* valid_rows, void* dense, cudaStream_t stream) {
   const SparseRows r = rows_of(g);
   const int64_t blocks = grid_of((g.capacity * g.row_length + kThreads - 1) / kThreads);
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     const auto kernel = &scatter_rows_kernel<T>;
-    GS_LAUNCH(kernel, blocks, kThreads, stream, r, tensor.numel, static_cast<T*>(dense), a.error);
+    GS_LAUNCH(kernel, blocks, kThreads, stream, r, valid_rows, static_cast<T*>(dense));
     GS_CUDA_CHECK_LAUNCH();
   });
 }

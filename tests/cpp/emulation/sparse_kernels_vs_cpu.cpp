@@ -210,9 +210,12 @@ struct Rows {
     g.row_length = s.d;
     return g;
   }
-  // Whether the CUDA kernels step entry k (sparse.cu's row_usable: a row of the tensor above the entry before).
+  // Whether the CUDA kernels step entry k: it lies in the list's valid prefix (sparse.cu: every entry up to it is a
+  // row of the tensor above the entry before).
   bool usable(const Problem& s, int64_t k) const {
-    return rows[k] >= 0 && rows[k] < s.rows && (k == 0 || rows[k - 1] < rows[k]);
+    for (int64_t j = 0; j <= k; ++j)
+      if (!(rows[j] >= 0 && rows[j] < s.rows && (j == 0 || rows[j - 1] < rows[j]))) return false;
+    return true;
   }
   // The dense gradient the usable entries of [0, min(count, capacity)) scatter into.
   std::vector<unsigned char> scattered(const Problem& s) const {
@@ -282,7 +285,7 @@ struct InvalidCase {
   std::vector<std::pair<int64_t, int64_t>> reports;
 };
 
-// CUDA: every usable entry (a row of the tensor above the entry before it) stepped exactly as the dense step on
+// CUDA: every usable entry (the list's valid prefix) stepped exactly as the dense step on
 // their scattered gradient steps it, nothing else written (canaries), the error recorded with one of the offending
 // values. CPU: std::invalid_argument, the table unchanged. AdamW and RMSprop (three states each) for the
 // element-wise kernels, LAMB for the dense route's scatter; 32-bit states with fp32 parameters, 16 with bf16, 8.
@@ -365,14 +368,13 @@ TEST(SparseKernelsEmulated, InvalidRowsAreSkippedRecordedAndNothingIsWrittenOutO
   check_invalid({"count above the capacity", {1, 5, 8, 10, 11, 12}, 6, 3, {{6, 4}}});
 }
 
-// KNOWN BUG (sparse.cu, sparse_quantized_kernel; 8-bit states only, 32/16-bit pass): rows {4, 6, 5, 7}. Entry 2
-// (row 5) is refused, entry 3 (row 7, above 5) is usable. Row 7 (elements 168-191) lies in quantisation block 5
-// (160-191) with the end of row 6. Block 5 is stepped twice: by entry 1's work item (row 6; its gradient lookup
-// walks on past the refused entry and finds row 7 at entry 3) and by entry 3's (its "not ours" test looks only at
-// entry 2, row 5, whose blocks end at 4). Row 7 takes two updates (on a GPU, two thread blocks race on the block's
-// codes and absmax): param element 168 differs from the dense step on rows {4, 6, 7}. Enable once fixed.
-TEST(SparseKernelsEmulated, DISABLED_ARefusedRowBetweenRowsSharingABlockLeavesTheNextRowSteppedOnce) {
+// Rows {4, 6, 5, 7}, block 32: row 7 (elements 168-191) shares quantisation block 5 with the end of row 6. Entry 2
+// (row 5) is invalid, so the valid prefix is rows {4, 6}: row 7 must not be stepped, although the 8-bit kernel's
+// work item for row 6 covers block 5 (once stepped twice: by that item, which found row 7's gradient past the
+// invalid entry, and by row 7's own). And a repeat that is not adjacent, {5, 9, 8, 9}: row 9 stepped once.
+TEST(SparseKernelsEmulated, ARefusedRowBetweenRowsSharingABlockLeavesTheNextRowSteppedOnce) {
   check_invalid({"a decreasing row between rows sharing a block", {4, 6, 5, 7}, 4, 4, {{5, 13}}});
+  check_invalid({"a repeat further on", {5, 9, 8, 9}, 4, 4, {{8, 13}}});
 }
 
 // The CUDA dense route (LAMB, LARS) refuses a workspace off 256-byte alignment before writing anything.

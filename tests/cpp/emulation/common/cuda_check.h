@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstdint>
 #include <cstring>
@@ -55,6 +56,14 @@ inline int __ffs(int x) { return __builtin_ffs(x); }
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
   const unsigned old = *address;
   *address = old + value;
+  return old;
+}
+// A block's threads run at once: a real atomic minimum (std::atomic_ref).
+inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
+  std::atomic_ref<unsigned long long> target(*address);
+  unsigned long long old = target.load();
+  while (value < old && !target.compare_exchange_weak(old, value)) {
+  }
   return old;
 }
 inline void __threadfence() {}
