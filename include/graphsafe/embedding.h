@@ -13,6 +13,8 @@
 //   * with scale_grad_by_freq the row total is divided by its occurrence count e - s;
 //   * the total is rounded once to grad's dtype (round to nearest even).
 // Rows equal to padding_idx, and rows that never occur, are zero.
+// The result is either dense ([num_weights, D]) or row-sparse (the rows that receive a contribution, their
+// sums, and a device-side count); both come from the same sums in the same order.
 #pragma once
 
 #include <cstddef>
@@ -58,6 +60,27 @@ void embedding_backward_dense_cpu(const EmbeddingBackwardArgs& args, void* out, 
 // valid rows are still correct. Throws std::runtime_error without a CUDA backend.
 void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& args, void* out, void* workspace,
                                    std::size_t workspace_bytes, DeviceErrorRecord* error, StreamHandle stream);
+
+// Row-sparse result of the same sums. U = min(num_indices, num_weights) slots:
+//   rows[U] (int64): rows[0, count) are the distinct rows that receive a contribution (padding_idx left out; on
+//     CUDA out-of-range indices too), strictly increasing; rows[count, U) are -1.
+//   row_grads[U, dim] (grad_dtype): slot k < count holds, bit for bit, row rows[k] of the dense result (same
+//     reduction order); slots [count, U) are +0.
+//   count (one int64): the number of distinct rows, written on the device (never read back by the call).
+// Workspace sizes, like the buffers, depend on shapes only.
+std::size_t embedding_backward_sparse_workspace_bytes(Backend backend, DType grad_dtype, int64_t num_indices,
+                                                      int64_t dim, int64_t num_weights);
+
+// CPU backend of the row-sparse result. An index outside [0, num_weights) throws std::out_of_range before
+// anything is written.
+void embedding_backward_sparse_cpu(const EmbeddingBackwardArgs& args, int64_t* rows, void* row_grads,
+                                   int64_t* count, void* workspace, std::size_t workspace_bytes);
+
+// CUDA backend of the row-sparse result, asynchronous on `stream`, as embedding_backward_dense_cuda: an
+// out-of-range index is left out (it gets no slot) and recorded in `error`; nothing is written out of bounds.
+void embedding_backward_sparse_cuda(const EmbeddingBackwardArgs& args, int64_t* rows, void* row_grads,
+                                    int64_t* count, void* workspace, std::size_t workspace_bytes,
+                                    DeviceErrorRecord* error, StreamHandle stream);
 
 // Forward lookup out[i, :] = weight[indices[i], :] (any element type: rows are copied as bytes).
 struct EmbeddingLookupArgs {

@@ -10,7 +10,8 @@ from ._core_args import current_stream, dtype_name
 from ._errors import raise_pending_device_error
 from ._tensor_checks import require_readable
 
-__all__ = ["embedding_backward", "embedding", "quantize_blockwise", "dequantize_blockwise", "quantization_map"]
+__all__ = ["embedding_backward", "embedding_backward_sparse", "embedding", "quantize_blockwise", "dequantize_blockwise",
+           "quantization_map"]
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -111,6 +112,75 @@ def embedding_backward(
 def _embedding_backward_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
     _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
     return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+@torch.library.custom_op("graphsafe::embedding_backward_sparse", mutates_args=())
+def embedding_backward_sparse(
+    grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1, scale_grad_by_freq: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Row-sparse gradient of an embedding lookup: (rows, row_grads, count), free of host syncs.
+
+    Takes embedding_backward's arguments, with the same checks and errors. With N = indices.numel() and
+    U = min(N, num_weights):
+    rows: int64 [U]. rows[:count] are the distinct rows that receive a contribution (padding_idx left out; on
+    CUDA out-of-range indices too), strictly increasing; rows[count:] are -1.
+    row_grads: [U, D] in grad's dtype. row_grads[k] for k < count is bit for bit row rows[k] of
+    embedding_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq) (the same sums in the same
+    order); row_grads[count:] are +0.
+    count: int64 0-d tensor on grad's device, the number of distinct rows. It is never read on the host, so
+    the op can be captured in a CUDA graph; every size comes from the shapes.
+    Out-of-range indices raise IndexError on the CPU before anything is written; on CUDA they get no slot and
+    raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
+    """
+    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    require_readable("embedding_backward_sparse", "grad", grad)
+    require_readable("embedding_backward_sparse", "indices", indices)
+    device = grad.device
+    if device.type == "cuda":
+        raise_pending_device_error()
+    num_indices, dim = indices.numel(), grad.shape[-1]
+    capacity = min(num_indices, num_weights)
+    rows = torch.empty((capacity,), dtype=torch.int64, device=device)
+    row_grads = torch.empty((capacity, dim), dtype=grad.dtype, device=device)
+    count = torch.empty((), dtype=torch.int64, device=device)
+    workspace = torch.empty(
+        _C.embedding_backward_sparse_workspace_bytes(
+            device.type, device.index or 0, dtype_name(grad.dtype), num_indices, dim, num_weights
+        ),
+        dtype=torch.uint8,
+        device=device,
+    )
+    _C.embedding_backward_sparse(
+        device.type,
+        device.index or 0,
+        current_stream(device),
+        rows.data_ptr(),
+        row_grads.data_ptr(),
+        count.data_ptr(),
+        grad.data_ptr(),
+        dtype_name(grad.dtype),
+        indices.data_ptr(),
+        dtype_name(indices.dtype),
+        num_indices,
+        dim,
+        num_weights,
+        padding_idx,
+        scale_grad_by_freq,
+        workspace.data_ptr(),
+        workspace.numel(),
+    )
+    return rows, row_grads, count
+
+
+@embedding_backward_sparse.register_fake
+def _embedding_backward_sparse_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
+    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    capacity = torch.sym_min(indices.numel(), num_weights)  # no guard on a symbolic N
+    return (
+        grad.new_empty((capacity,), dtype=torch.int64),
+        grad.new_empty((capacity, grad.shape[-1])),
+        grad.new_empty((), dtype=torch.int64),
+    )
 
 
 def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:

@@ -239,6 +239,59 @@ NB_MODULE(_C, m) {
       nb::arg("workspace_bytes"));
 
   m.def(
+      "embedding_backward_sparse_workspace_bytes",
+      [](const std::string& device_type, int device_index, const std::string& grad_dtype, int64_t num_indices,
+         int64_t dim, int64_t num_weights) {
+        const Backend backend = backend_from_name(device_type);
+        std::size_t bytes = 0;
+        // The sort's and the prefix sum's scratch depend on the GPU they run on: ask on the tensor's device.
+        auto query = [&] {
+          bytes = embedding_backward_sparse_workspace_bytes(backend, dtype_from_name(grad_dtype), num_indices, dim,
+                                                            num_weights);
+        };
+        if (backend == Backend::Cpu) query(); else on_device(device_index, query);
+        return bytes;
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("grad_dtype"), nb::arg("num_indices"), nb::arg("dim"),
+      nb::arg("num_weights"));
+
+  m.def(
+      "embedding_backward_sparse",
+      [](const std::string& device_type, int device_index, std::uintptr_t stream, std::uintptr_t rows,
+         std::uintptr_t row_grads, std::uintptr_t count, std::uintptr_t grad, const std::string& grad_dtype,
+         std::uintptr_t indices, const std::string& index_dtype, int64_t num_indices, int64_t dim,
+         int64_t num_weights, int64_t padding_idx, bool scale_grad_by_freq, std::uintptr_t workspace,
+         std::size_t workspace_bytes) {
+        EmbeddingBackwardArgs args;
+        args.grad = as_pointer(grad);
+        args.grad_dtype = dtype_from_name(grad_dtype);
+        args.indices = as_pointer(indices);
+        args.index_dtype = dtype_from_name(index_dtype);
+        args.num_indices = num_indices;
+        args.dim = dim;
+        args.num_weights = num_weights;
+        args.padding_idx = padding_idx;
+        args.scale_grad_by_freq = scale_grad_by_freq;
+        auto* rows_out = static_cast<int64_t*>(as_pointer(rows));
+        auto* count_out = static_cast<int64_t*>(as_pointer(count));
+        run_on(
+            device_type, device_index,
+            [&] {
+              embedding_backward_sparse_cpu(args, rows_out, as_pointer(row_grads), count_out, as_pointer(workspace),
+                                            workspace_bytes);
+            },
+            [&] {
+              embedding_backward_sparse_cuda(args, rows_out, as_pointer(row_grads), count_out, as_pointer(workspace),
+                                             workspace_bytes, device_error_record(),
+                                             reinterpret_cast<StreamHandle>(stream));
+            });
+      },
+      nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("rows"), nb::arg("row_grads"),
+      nb::arg("count"), nb::arg("grad"), nb::arg("grad_dtype"), nb::arg("indices"), nb::arg("index_dtype"),
+      nb::arg("num_indices"), nb::arg("dim"), nb::arg("num_weights"), nb::arg("padding_idx"),
+      nb::arg("scale_grad_by_freq"), nb::arg("workspace"), nb::arg("workspace_bytes"));
+
+  m.def(
       "embedding_lookup",
       [](const std::string& device_type, int device_index, std::uintptr_t stream, std::uintptr_t out,
          std::uintptr_t weight, std::size_t element_bytes, std::uintptr_t indices, const std::string& index_dtype,

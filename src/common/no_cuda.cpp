@@ -20,6 +20,7 @@ bool cuda_backend_available() { return false; }
 DeviceErrorRecord* device_error_record() { no_cuda(); }
 std::string take_device_error(bool) { return {}; }
 std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
+std::size_t embedding_backward_cuda_scan_bytes(int64_t) { no_cuda(); }
 void optim_step_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, StreamHandle) { no_cuda(); }
 void optim_layerwise_norms_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, float*,
                                 StreamHandle) {
@@ -34,6 +35,10 @@ void dequantize_blockwise_cuda(const uint8_t*, const float*, int64_t, int, bool,
 void embedding_lookup_cuda(const EmbeddingLookupArgs&, void*, DeviceErrorRecord*, StreamHandle) { no_cuda(); }
 void embedding_backward_dense_cuda(const EmbeddingBackwardArgs&, void*, void*, std::size_t, DeviceErrorRecord*,
                                    StreamHandle) {
+  no_cuda();
+}
+void embedding_backward_sparse_cuda(const EmbeddingBackwardArgs&, int64_t*, void*, int64_t*, void*, std::size_t,
+                                    DeviceErrorRecord*, StreamHandle) {
   no_cuda();
 }
 

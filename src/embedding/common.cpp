@@ -51,6 +51,31 @@ std::size_t embedding_backward_workspace_bytes(Backend backend, DType grad_dtype
       .total;
 }
 
+std::size_t embedding_backward_sparse_workspace_bytes(Backend backend, DType grad_dtype, int64_t num_indices,
+                                                      int64_t dim, int64_t num_weights) {
+  if (backend == Backend::Cpu)  // the same sort and runs as the dense result
+    return embedding_backward_workspace_bytes(backend, grad_dtype, num_indices, dim, num_weights);
+  embedding_backward_workspace_bytes(backend, grad_dtype, num_indices, dim, num_weights);  // the same checks
+  const std::size_t acc_bytes = grad_dtype == DType::Float64 ? 8 : 4;
+  return embedding_detail::cuda_workspace_layout(num_indices, dim, /*num_row_flags=*/0, acc_bytes,
+                                                 embedding_backward_cuda_sort_bytes(num_indices, num_weights),
+                                                 embedding_backward_cuda_scan_bytes(num_indices))
+      .total;
+}
+
+namespace embedding_detail {
+
+void check_sparse_outputs(const EmbeddingBackwardArgs& a, int64_t capacity, const int64_t* rows,
+                          const void* row_grads, const int64_t* count) {
+  if (count == nullptr) throw std::invalid_argument("embedding_backward: null row count output");
+  if (capacity > 0 && rows == nullptr) throw std::invalid_argument("embedding_backward: null rows output");
+  if (capacity * a.dim > 0 && row_grads == nullptr)
+    throw std::invalid_argument("embedding_backward: null row_grads output");
+  if (a.num_indices > 0 && a.indices == nullptr) throw std::invalid_argument("embedding_backward: null indices");
+}
+
+}  // namespace embedding_detail
+
 DType dtype_from_name(const std::string& name) {
   for (DType t : {DType::Float32, DType::Float16, DType::BFloat16, DType::Float64, DType::Int32, DType::Int64})
     if (name == dtype_name(t)) return t;

@@ -77,16 +77,33 @@ void reduce_row(const T* grad, int64_t dim, const uint64_t* sorted, int64_t begi
   for (int64_t c = 0; c < dim; ++c) out_row[c] = finish_element<T>(total[c], end - begin, scale_grad_by_freq);
 }
 
+// Where finished rows go. Dense: row r at dense + r * dim, every other row +0. Row-sparse:
+// the r-th distinct row, in increasing row order, at slot r of row_grads, its id at rows[r]; slots from the
+// row count up to capacity = min(N, num_weights) hold row id -1 and +0.
+template <class T>
+struct Destination {
+  T* dense = nullptr;
+  int64_t* rows = nullptr;
+  T* row_grads = nullptr;
+  int64_t* count = nullptr;
+  int64_t capacity = 0;
+  bool sparse = false;
+};
+
 template <class T, class Index>
-void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* sorted, int64_t* row_starts) {
+void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Destination<T>& to, uint64_t* sorted,
+         int64_t* row_starts) {
   const auto* indices = static_cast<const Index*>(a.indices);
   const auto* grad = static_cast<const T*>(a.grad);
   const int64_t n = a.num_indices, dim = a.dim;
   check_indices_in_range(indices, n, a.num_weights);
-  // All-zero bits are +0. An empty result may come with a null `out`, which memset must not get even for 0 bytes.
-  const std::size_t out_bytes = static_cast<std::size_t>(a.num_weights * dim) * sizeof(T);
-  if (out_bytes > 0) std::memset(out, 0, out_bytes);
-  if (n == 0 || dim == 0) return;
+  const bool dense = !to.sparse;
+  if (dense) {
+    // All-zero bits are +0. An empty result may come with a null `out`, which memset must not get even for 0 bytes.
+    const std::size_t out_bytes = static_cast<std::size_t>(a.num_weights * dim) * sizeof(T);
+    if (out_bytes > 0) std::memset(to.dense, 0, out_bytes);
+    if (n == 0 || dim == 0) return;
+  }
 
   // Sorting (row, position) pairs orders each row's occurrences by position: the documented order.
   int64_t kept = 0;
@@ -101,6 +118,17 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* 
     if (i == 0 || (sorted[i] >> 32) != (sorted[i - 1] >> 32)) row_starts[rows++] = i;
   row_starts[rows] = kept;
 
+  if (!dense) {
+    // rows <= capacity: distinct contributing rows are at most N and at most num_weights.
+    for (int64_t r = 0; r < rows; ++r) to.rows[r] = static_cast<int64_t>(sorted[row_starts[r]] >> 32);
+    for (int64_t r = rows; r < to.capacity; ++r) to.rows[r] = -1;
+    const std::size_t unused_bytes = static_cast<std::size_t>((to.capacity - rows) * dim) * sizeof(T);
+    if (unused_bytes > 0) std::memset(to.row_grads + rows * dim, 0, unused_bytes);
+    *to.count = rows;
+  }
+  // Nothing to sum: return before the per-thread scratch rows (dim elements each) are allocated.
+  if (rows == 0 || dim == 0) return;
+
   // Small problems stay on the calling thread: a parallel region costs more than it saves there.
 #pragma omp parallel if (n * dim >= (1 << 16))
   {
@@ -109,18 +137,40 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, T* out, uint64_t* 
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t begin = row_starts[r], end = row_starts[r + 1];
       const int64_t row = static_cast<int64_t>(sorted[begin] >> 32);
-      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, out + row * dim, scratch);
+      T* const destination = dense ? to.dense + row * dim : to.row_grads + r * dim;
+      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, destination, scratch);
     }
   }
 }
 
-template <class T>
-void dispatch_index(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* out, uint64_t* sorted,
-                    int64_t* row_starts) {
-  if (a.index_dtype == DType::Int32)
-    run<T, int32_t>(a, padding_idx, static_cast<T*>(out), sorted, row_starts);
-  else
-    run<T, int64_t>(a, padding_idx, static_cast<T*>(out), sorted, row_starts);
+// Checks the workspace, carves it, and runs the dtype's instantiation; `make_destination` turns the type-erased
+// outputs into a Destination<T>.
+template <class MakeDestination>
+void dispatch(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* workspace, std::size_t workspace_bytes,
+              MakeDestination make_destination) {
+  const std::size_t needed =
+      embedding_backward_workspace_bytes(Backend::Cpu, a.grad_dtype, a.num_indices, a.dim, a.num_weights);
+  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
+    throw std::invalid_argument("embedding_backward: workspace of " + std::to_string(workspace_bytes) +
+                                " bytes is smaller than the " + std::to_string(needed) + " required");
+  const auto layout = embedding_detail::cpu_workspace_layout(a.num_indices);
+  auto* sorted = static_cast<uint64_t*>(workspace);
+  auto* row_starts = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) + layout.row_starts);
+  auto typed = [&](auto zero) {
+    using T = decltype(zero);
+    const Destination<T> to = make_destination(zero);
+    if (a.index_dtype == DType::Int32)
+      run<T, int32_t>(a, padding_idx, to, sorted, row_starts);
+    else
+      run<T, int64_t>(a, padding_idx, to, sorted, row_starts);
+  };
+  switch (a.grad_dtype) {
+    case DType::Float32: typed(float{}); break;
+    case DType::Float64: typed(double{}); break;
+    case DType::Float16: typed(f16_t{}); break;
+    case DType::BFloat16: typed(bf16_t{}); break;
+    default: throw std::invalid_argument("embedding_backward: unsupported grad dtype");
+  }
 }
 
 }  // namespace
@@ -128,22 +178,28 @@ void dispatch_index(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* o
 void embedding_backward_dense_cpu(const EmbeddingBackwardArgs& a, void* out, void* workspace,
                                   std::size_t workspace_bytes) {
   const int64_t padding_idx = validate_embedding_backward_args(a);
-  const std::size_t needed =
-      embedding_backward_workspace_bytes(Backend::Cpu, a.grad_dtype, a.num_indices, a.dim, a.num_weights);
-  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
-    throw std::invalid_argument("embedding_backward: workspace of " + std::to_string(workspace_bytes) +
-                                " bytes is smaller than the " + std::to_string(needed) + " required");
   if (a.num_weights * a.dim > 0 && out == nullptr) throw std::invalid_argument("embedding_backward: null output");
-  const auto layout = embedding_detail::cpu_workspace_layout(a.num_indices);
-  auto* sorted = static_cast<uint64_t*>(workspace);
-  auto* row_starts = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) + layout.row_starts);
-  switch (a.grad_dtype) {
-    case DType::Float32: dispatch_index<float>(a, padding_idx, out, sorted, row_starts); break;
-    case DType::Float64: dispatch_index<double>(a, padding_idx, out, sorted, row_starts); break;
-    case DType::Float16: dispatch_index<f16_t>(a, padding_idx, out, sorted, row_starts); break;
-    case DType::BFloat16: dispatch_index<bf16_t>(a, padding_idx, out, sorted, row_starts); break;
-    default: throw std::invalid_argument("embedding_backward: unsupported grad dtype");
-  }
+  dispatch(a, padding_idx, workspace, workspace_bytes, [&](auto zero) {
+    Destination<decltype(zero)> to;
+    to.dense = static_cast<decltype(zero)*>(out);
+    return to;
+  });
+}
+
+void embedding_backward_sparse_cpu(const EmbeddingBackwardArgs& a, int64_t* rows, void* row_grads, int64_t* count,
+                                   void* workspace, std::size_t workspace_bytes) {
+  const int64_t padding_idx = validate_embedding_backward_args(a);
+  const int64_t capacity = embedding_detail::sparse_capacity(a.num_indices, a.num_weights);
+  embedding_detail::check_sparse_outputs(a, capacity, rows, row_grads, count);
+  dispatch(a, padding_idx, workspace, workspace_bytes, [&](auto zero) {
+    Destination<decltype(zero)> to;
+    to.rows = rows;
+    to.row_grads = static_cast<decltype(zero)*>(row_grads);
+    to.count = count;
+    to.capacity = capacity;
+    to.sparse = true;
+    return to;
+  });
 }
 
 }  // namespace graphsafe

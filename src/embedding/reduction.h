@@ -47,18 +47,22 @@ inline CpuWorkspaceLayout cpu_workspace_layout(int64_t num_indices) {
   return l;
 }
 
-// Byte offsets into the CUDA workspace (which must be 256-byte aligned).
+// Byte offsets into the CUDA workspace (which must be 256-byte aligned). The dense result flags the rows that
+// occur (num_row_flags = num_weights); the row-sparse one flags none but numbers the runs with a prefix sum
+// (scan_bytes of CUB scratch), whose input and output reuse keys_in and positions_in: the sort has consumed them.
 struct CudaWorkspaceLayout {
   std::size_t keys_in = 0, keys_sorted = 0, positions_in = 0, positions_sorted = 0;
   std::size_t sort_scratch = 0, sort_bytes = 0;  // CUB's radix sort scratch
-  std::size_t row_occurs = 0;                   // one "row occurs" byte per row
+  std::size_t row_occurs = 0;                   // one "row occurs" byte per flagged row
   std::size_t tile_pieces = 0;                  // uint2 per tile: rows of its partial slots
   std::size_t tile_partials = 0, group_partials = 0;  // two partial rows per tile / per group
+  std::size_t scan_scratch = 0, scan_bytes = 0;  // CUB's prefix-sum scratch (row-sparse only)
   std::size_t total = 0;
 };
 
-inline CudaWorkspaceLayout cuda_workspace_layout(int64_t num_indices, int64_t dim, int64_t num_weights,
-                                                 std::size_t acc_bytes, std::size_t sort_bytes) {
+inline CudaWorkspaceLayout cuda_workspace_layout(int64_t num_indices, int64_t dim, int64_t num_row_flags,
+                                                 std::size_t acc_bytes, std::size_t sort_bytes,
+                                                 std::size_t scan_bytes = 0) {
   const auto n = static_cast<std::size_t>(num_indices);
   const std::size_t ids = round_up_256(n * sizeof(uint32_t));
   const std::size_t row_bytes = static_cast<std::size_t>(dim) * acc_bytes;
@@ -69,12 +73,23 @@ inline CudaWorkspaceLayout cuda_workspace_layout(int64_t num_indices, int64_t di
   l.sort_scratch = 4 * ids;
   l.sort_bytes = sort_bytes;
   l.row_occurs = l.sort_scratch + round_up_256(sort_bytes);
-  l.tile_pieces = l.row_occurs + round_up_256(static_cast<std::size_t>(num_weights));
+  l.tile_pieces = l.row_occurs + round_up_256(static_cast<std::size_t>(num_row_flags));
   l.tile_partials = l.tile_pieces + round_up_256(static_cast<std::size_t>(tile_count(num_indices)) * 8);
   l.group_partials = l.tile_partials + round_up_256(2 * static_cast<std::size_t>(tile_count(num_indices)) * row_bytes);
-  l.total = l.group_partials + round_up_256(2 * static_cast<std::size_t>(tile_group_count(num_indices)) * row_bytes);
+  l.scan_scratch = l.group_partials + round_up_256(2 * static_cast<std::size_t>(tile_group_count(num_indices)) * row_bytes);
+  l.scan_bytes = scan_bytes;
+  l.total = l.scan_scratch + round_up_256(scan_bytes);
   return l;
 }
+
+// Slots of the row-sparse result: no more distinct rows than occurrences, nor than rows.
+inline int64_t sparse_capacity(int64_t num_indices, int64_t num_weights) {
+  return num_indices < num_weights ? num_indices : num_weights;
+}
+
+// Throws std::invalid_argument for a null row-sparse output that will be written (shared by both backends).
+void check_sparse_outputs(const EmbeddingBackwardArgs& args, int64_t capacity, const int64_t* rows,
+                          const void* row_grads, const int64_t* count);
 
 // Final step for one element of a row: optional division by the occurrence count, then one rounding.
 // A NaN result becomes the canonical NaN: x86 and CUDA arithmetic produce different NaN payloads.
@@ -89,6 +104,8 @@ GS_HD T finish_element(typename ElementTraits<T>::Acc total, int64_t count, bool
 }  // namespace graphsafe::embedding_detail
 
 namespace graphsafe {
-// Scratch bytes of the CUDA backend's radix sort (defined in cuda.cu, or a stand-in without CUDA).
+// Scratch bytes of the CUDA backend's radix sort and of its prefix sum over sorted positions (defined in cuda.cu,
+// or stand-ins without CUDA).
 std::size_t embedding_backward_cuda_sort_bytes(int64_t num_indices, int64_t num_weights);
+std::size_t embedding_backward_cuda_scan_bytes(int64_t num_indices);
 }  // namespace graphsafe

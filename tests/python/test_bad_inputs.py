@@ -1,6 +1,6 @@
 """Bad-input matrix for graphsafe's public entry points other than the optimizers (issue 18, item 2):
-graphsafe.ops.* (embedding_backward, embedding, quantize_blockwise, dequantize_blockwise, quantization_map,
-check_block_size), graphsafe.nn.Embedding, graphsafe.compile_step, and `import graphsafe` itself.
+graphsafe.ops.* (embedding_backward, embedding_backward_sparse, embedding, quantize_blockwise, dequantize_blockwise,
+quantization_map, check_block_size), graphsafe.nn.Embedding, graphsafe.compile_step, and `import graphsafe` itself.
 
 Each case feeds one kind of bad input (wrong dtype, meta or mixed devices, non-contiguous and zero-stride
 views, empty tensors, sizes past int32/int64, out-of-range and negative indices, tensor subclasses, sparse
@@ -32,12 +32,19 @@ CUDA = torch.cuda.is_available() and graphsafe.cuda_backend_built()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and graphsafe's CUDA backend")
 
 # --------------------------------------------------------------------------------------------------------
-# graphsafe.ops.embedding_backward
+# graphsafe.ops.embedding_backward and embedding_backward_sparse (the same checks: every refusal is asked of both)
 # --------------------------------------------------------------------------------------------------------
 
 
-def eb(grad, indices, num_weights=8, padding_idx=-1, scale=False):
-    return lambda: gops.embedding_backward(grad, indices, num_weights, padding_idx, scale)
+def eb(grad, indices, num_weights=8, padding_idx=-1, scale=False, op=gops.embedding_backward):
+    def call():
+        return op(grad, indices, num_weights, padding_idx, scale)
+    call.args = (grad, indices, num_weights, padding_idx, scale)  # to ask the other op the same
+    return call
+
+
+def ebs(grad, indices, num_weights=8, padding_idx=-1, scale=False):
+    return eb(grad, indices, num_weights, padding_idx, scale, op=gops.embedding_backward_sparse)
 
 
 G34 = gen_tensor(3, 4)
@@ -73,7 +80,8 @@ EB_REFUSED = {
                                       ValueError, r"2\^31|indices"),
     "2^31-indices-zero-stride": (eb(torch.zeros(1, 1).expand(2**31 + 1, 1), idx(0).expand(2**31 + 1)), ValueError,
                                  r"contiguous|2\^31"),
-    # [2^30, 2^40] has 2^70 elements: no int64 can count the result.
+    # [2^30, 2^40] has 2^70 elements: no int64 can count the result. (The row-sparse result of no index has no
+    # rows: test_embedding_backward_sparse_sizes_its_result_by_min_n_and_rows.)
     "result-past-int64-meta": (eb(torch.empty(0, 2**40, device=META), torch.empty(0, dtype=torch.int64, device=META),
                                   num_weights=2**30), (ValueError, RuntimeError), r"overflow|size|num_weights|2\^"),
 }
@@ -83,6 +91,27 @@ EB_REFUSED = {
 def test_embedding_backward_refuses(case):
     fn, types, pattern = EB_REFUSED[case]
     refused(fn, types, pattern, f"embedding_backward[{case}]")
+
+
+@pytest.mark.parametrize("case", [c for c in EB_REFUSED if c != "result-past-int64-meta"])
+def test_embedding_backward_sparse_refuses_as_the_dense_op(case):
+    """The same call with embedding_backward_sparse: the same exception type and message."""
+    dense_fn, types, pattern = EB_REFUSED[case]
+    dense_error = refused(dense_fn, types, pattern, f"embedding_backward[{case}]")
+    sparse_error = refused(ebs(*dense_fn.args), types, pattern, f"embedding_backward_sparse[{case}]")
+    assert type(sparse_error) is type(dense_error)
+    # torch's own argument errors quote the op's schema; graphsafe's are word for word the dense op's.
+    if not str(dense_error).startswith("graphsafe::embedding_backward("):
+        assert str(sparse_error) == str(dense_error)
+
+
+def test_embedding_backward_sparse_sizes_its_result_by_min_n_and_rows():
+    """U = min(N, num_weights): no index asks for no rows however wide or tall the table (nothing allocated)."""
+    rows, row_grads, count = gops.embedding_backward_sparse(torch.empty(0, 2**40, device=META),
+                                                            torch.empty(0, dtype=torch.int64, device=META), 2**30)
+    assert rows.shape == (0,) and row_grads.shape == (0, 2**40) and count.shape == ()
+    rows, row_grads, count = gops.embedding_backward_sparse(torch.empty(0, 2**40), idx(), 2**30)
+    assert rows.shape == (0,) and row_grads.shape == (0, 2**40) and int(count) == 0
 
 
 def _ref_backward(grad, indices, num_weights):
@@ -108,6 +137,17 @@ def test_embedding_backward_handles(case):
     assert torch.equal(out, _ref_backward(grad, indices, num_weights))
 
 
+@pytest.mark.parametrize("case", EB_HANDLED)
+def test_embedding_backward_sparse_handles(case):
+    grad, indices, num_weights = EB_HANDLED[case]
+    rows, row_grads, count = gops.embedding_backward_sparse(grad, indices, num_weights)
+    u, c = min(indices.numel(), num_weights), int(count)
+    assert rows.shape == (u,) and row_grads.shape == (u, grad.shape[-1]) and row_grads.dtype == grad.dtype
+    scattered = torch.zeros(num_weights, grad.shape[-1], dtype=grad.dtype)
+    scattered[rows[:c]] = row_grads[:c]
+    assert torch.equal(scattered, _ref_backward(grad, indices, num_weights)) and bool((rows[c:] == -1).all())
+
+
 def test_embedding_backward_on_meta_tensors_gives_the_shape():
     out = gops.embedding_backward(G34.to(META), I3.to(META), 8)
     assert out.device.type == "meta" and out.shape == (8, 4) and out.dtype == torch.float32
@@ -121,6 +161,10 @@ def test_embedding_backward_on_meta_tensors_past_int32_rows():
 def test_out_of_range_index_writes_nothing_and_the_op_still_works():
     refused(eb(G34, idx(0, 9, 1)), IndexError, r"9")
     assert torch.equal(gops.embedding_backward(G34, I3, 8), _ref_backward(G34, I3, 8))
+    refused(ebs(G34, idx(0, 9, 1)), IndexError, r"9")
+    rows, row_grads, count = gops.embedding_backward_sparse(G34, I3, 8)
+    assert rows.tolist() == [0, 2, 5] and int(count) == 3
+    assert torch.equal(row_grads, _ref_backward(G34, I3, 8)[[0, 2, 5]])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -350,7 +394,8 @@ def test_quantization_map_bad_device_is_refused():
 
 
 def test_every_public_op_is_in_the_matrix():
-    covered = {"embedding_backward", "embedding", "quantize_blockwise", "dequantize_blockwise", "quantization_map"}
+    covered = {"embedding_backward", "embedding_backward_sparse", "embedding", "quantize_blockwise",
+               "dequantize_blockwise", "quantization_map"}
     assert set(gops.__all__) <= covered, f"new entry points without bad-input cases: {set(gops.__all__) - covered}"
 
 
@@ -374,6 +419,20 @@ def _eb_sub(make_grad, make_indices):
         grad, indices = make_grad(G34), make_indices(I3)
         handled_or_refused(lambda: gops.embedding_backward(grad, indices, 8),
                            lambda out: same(out, _ref_backward(G34, I3, 8)), (TypeError, ValueError), CLEAR_SUBCLASS)
+    return case
+
+
+def _ebs_sub(make_grad, make_indices):
+    def case():
+        grad, indices = make_grad(G34), make_indices(I3)
+
+        def check(out):
+            rows, row_grads, count = (dense(t) for t in out)
+            same(rows, idx(0, 2, 5), "rows")
+            same(row_grads, _ref_backward(G34, I3, 8)[[0, 2, 5]], "row_grads")
+            assert int(count) == 3
+        handled_or_refused(lambda: gops.embedding_backward_sparse(grad, indices, 8), check, (TypeError, ValueError),
+                           CLEAR_SUBCLASS)
     return case
 
 
@@ -418,6 +477,14 @@ ISOLATED_OPS = {
                                      r"memory|alloc|size|overflow|2\^", (ValueError, RuntimeError, MemoryError)),
     "eb-result-past-int64": _refuses(lambda: gops.embedding_backward(torch.empty(0, 2**40), idx(), 2**30),
                                      r"overflow|size|2\^", (ValueError, RuntimeError)),
+    "ebs-grad-subclass": _ebs_sub(as_sub, _keep),
+    "ebs-indices-subclass": _ebs_sub(_keep, as_sub),
+    "ebs-grad-wrapper": _ebs_sub(Wrapper, _keep),
+    "ebs-grad-sparse-coo": _refuses(lambda: gops.embedding_backward_sparse(G34.to_sparse(), I3, 8)),
+    "ebs-grad-sparse-csr": _refuses(lambda: gops.embedding_backward_sparse(G34.to_sparse_csr(), I3, 8)),
+    "ebs-indices-sparse": _refuses(lambda: gops.embedding_backward_sparse(G34, I3.to_sparse(), 8)),
+    "ebs-grad-nested": _refuses(lambda: gops.embedding_backward_sparse(_nested_float(), _nested_index(), 8),
+                                types=NESTED_REFUSAL),
     "lookup-weight-subclass": _lookup_sub(as_sub, _keep),
     "lookup-indices-subclass": _lookup_sub(_keep, as_sub),
     "lookup-weight-wrapper": _lookup_sub(Wrapper, _keep),
@@ -460,6 +527,7 @@ def test_cuda_mixed_devices_are_refused():
     cuda = torch.device("cuda")
     refused(eb(G34.to(cuda), I3), ValueError, r"cuda.*cpu|cpu.*cuda")
     refused(eb(G34, I3.to(cuda)), ValueError, r"cuda.*cpu|cpu.*cuda")
+    refused(ebs(G34.to(cuda), I3), ValueError, r"cuda.*cpu|cpu.*cuda")
     refused(lookup(W54.to(cuda), I3.clamp(max=4)), ValueError, r"cuda.*cpu|cpu.*cuda")
     refused(dequant(CODES.to(cuda), ABSMAX), ValueError, r"cuda.*cpu|cpu.*cuda")
     emb = graphsafe.nn.Embedding(5, 4, device=cuda)

@@ -1,0 +1,377 @@
+// The CUDA kernels that the dense and the row-sparse embedding backward share (cuda.cu, cuda_sparse.cu):
+// sort keys, the radix sort, and the three reduce levels of the order in include/graphsafe/embedding.h.
+// A reduce kernel's destination is a template parameter (Slot): DenseSlot puts row r at out + r * dim, as the
+// dense kernels always did, and adds no work to them; SparseSlot puts the k-th run at row_grads + k * dim.
+// Everything here has internal linkage: each .cu file compiles its own copy of what it instantiates.
+#pragma once
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/cuda_check.h"
+#include "common/device_error.cuh"
+#include "embedding/reduction.h"
+#include "graphsafe/embedding.h"
+
+namespace graphsafe {
+namespace {
+
+using embedding_detail::finish_element;
+using embedding_detail::piece_slot;
+using embedding_detail::tile_count;
+using embedding_detail::tile_group_count;
+using embedding_detail::sort_key;
+
+constexpr int kThreads = 256;
+constexpr int64_t kTile = kEmbeddingTile;
+constexpr int64_t kGroupTiles = kEmbeddingTileGroup;
+constexpr int kBatch = 8;  // loads issued ahead of the additions that consume them, in order
+
+inline int sort_end_bit(int64_t num_weights) {
+  // Keys go up to num_weights (the sentinel) and no further.
+  int bits = 1;
+  while ((int64_t{1} << bits) <= num_weights) ++bits;
+  return bits;
+}
+
+// One (row, position) pair per occurrence. kFlagRows (the dense result): also flag each row that occurs, so
+// that the rows nobody touches can be zeroed.
+template <class Index, bool kFlagRows>
+__global__ void make_sort_keys(const Index* __restrict__ indices, int64_t n, int64_t num_weights, int64_t padding_idx,
+                               uint32_t* __restrict__ keys, uint32_t* __restrict__ positions,
+                               uint8_t* __restrict__ row_occurs, DeviceErrorRecord* error) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t index = static_cast<int64_t>(indices[i]);
+    if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
+    const uint32_t key = sort_key(index, num_weights, padding_idx);
+    if constexpr (kFlagRows) {  // hot rows: read, not write
+      if (key != static_cast<uint32_t>(num_weights) && !row_occurs[key]) row_occurs[key] = 1;
+    }
+    keys[i] = key;
+    positions[i] = static_cast<uint32_t>(i);
+  }
+}
+
+__device__ bool key_at(const uint32_t* __restrict__ keys, int64_t n, int64_t p, uint32_t key) {
+  return p >= 0 && p < n && keys[p] == key;
+}
+
+// First position in [lo, hi) whose key is >= key (keys are sorted).
+__device__ int64_t lower_bound(const uint32_t* __restrict__ keys, int64_t lo, int64_t hi, uint32_t key) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// First position in [lo, hi) whose key is > key.
+__device__ int64_t upper_bound(const uint32_t* __restrict__ keys, int64_t lo, int64_t hi, uint32_t key) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] <= key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// VEC consecutive elements, moved with one wide memory access.
+template <class T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+// Threads that share one work item (a tile, a group of tiles, an output row): enough to cover a row's
+// vectors, at most a block.
+struct Geometry {
+  int group;            // threads per item
+  int groups_per_block;
+  int64_t blocks;
+};
+
+inline Geometry geometry_for(int64_t items, int64_t vectors_per_row) {
+  int group = 1;
+  while (group < vectors_per_row && group < kThreads) group *= 2;
+  const int groups_per_block = kThreads / group;
+  return {group, groups_per_block, std::max<int64_t>(1, (items + groups_per_block - 1) / groups_per_block)};
+}
+
+
+// Destinations of finished rows (the Slot of the reduce kernels), called with the row and a sorted position inside
+// its run. Dense: the row itself. Row-sparse: the run's number among the runs, from the inclusive prefix sum of
+// run starts over sorted positions (the same at every position of a run: no run starts inside another).
+struct DenseSlot {
+  __device__ int64_t operator()(uint32_t row, int64_t /*sorted_position*/) const { return row; }
+};
+
+struct SparseSlot {
+  const uint32_t* __restrict__ runs_so_far;  // runs starting at or before each sorted position
+  __device__ int64_t operator()(uint32_t /*row*/, int64_t sorted_position) const {
+    return static_cast<int64_t>(runs_so_far[sorted_position]) - 1;
+  }
+};
+
+template <class T, int VEC>
+__device__ void store_row_vector(T* __restrict__ out, int64_t row, int64_t dim, int64_t v,
+                                 const typename ElementTraits<T>::Acc (&total)[VEC], int64_t count,
+                                 bool scale_grad_by_freq) {
+  Pack<T, VEC> result;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) result.v[k] = finish_element<T>(total[k], count, scale_grad_by_freq);
+  *reinterpret_cast<Pack<T, VEC>*>(out + row * dim + v * VEC) = result;
+}
+
+template <class Acc, int VEC>
+__device__ void store_partial(Acc* __restrict__ partials, int64_t slot, int64_t dim, int64_t v, const Acc (&acc)[VEC]) {
+  Pack<Acc, VEC> p;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) p.v[k] = acc[k];
+  *reinterpret_cast<Pack<Acc, VEC>*>(partials + slot * dim + v * VEC) = p;
+}
+
+template <class Acc, int VEC>
+__device__ void add_partial(Acc (&acc)[VEC], const Acc* __restrict__ partials, int64_t slot, int64_t dim, int64_t v) {
+  const Pack<Acc, VEC> p = *reinterpret_cast<const Pack<Acc, VEC>*>(partials + slot * dim + v * VEC);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] += p.v[k];
+}
+
+// acc += partials[slot(i)] for i = first..last in order; kAhead rows are loaded before they are added.
+template <class Acc, int VEC, class Slot>
+__device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ partials, int64_t first, int64_t last,
+                                      Slot slot, int64_t dim, int64_t v) {
+  constexpr int kAhead = 4;
+  for (int64_t ahead = first; ahead <= last; ahead += kAhead) {
+    Pack<Acc, VEC> pieces[kAhead];
+#pragma unroll
+    for (int b = 0; b < kAhead; ++b)
+      if (ahead + b <= last) pieces[b] = *reinterpret_cast<const Pack<Acc, VEC>*>(partials + slot(ahead + b) * dim + v * VEC);
+#pragma unroll
+    for (int b = 0; b < kAhead; ++b)
+      if (ahead + b <= last) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] += pieces[b].v[k];
+      }
+  }
+}
+
+// Level 1: one item per tile of kTile sorted positions. Runs of a row are summed in position order; a row
+// that lies inside the tile is finished, a piece of a longer row goes to the tile's partial slot.
+template <class T, int VEC, class Slot>
+__global__ void __launch_bounds__(kThreads)
+    reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
+                 int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
+                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
+                 int group, Slot slot) {
+  using Acc = typename ElementTraits<T>::Acc;
+  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t begin = tile * kTile;
+  if (begin >= n) return;
+  const int64_t tile_end = min(begin + kTile, n);
+  if (threadIdx.x % group == 0) {
+    // The rows of this tile's partial slots (sentinel: slot unused), for reduce_tile_groups.
+    const uint32_t first = keys[begin], last = keys[tile_end - 1];
+    const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
+    const bool last_goes_on = last != sentinel && key_at(keys, n, tile_end, last);
+    tile_pieces[tile] = make_uint2(first_began_earlier ? first : sentinel,
+                                   last_goes_on && !(first == last && first_began_earlier) ? last : sentinel);
+  }
+  // Sentinels (padding, out-of-range) sort last: their gradient rows are never read.
+  if (keys[begin] == sentinel) return;
+  const int64_t end = keys[tile_end - 1] == sentinel ? lower_bound(keys, begin, tile_end, sentinel) : tile_end;
+  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
+    Acc acc[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+    int64_t run_start = begin;
+    for (int64_t batch_start = begin; batch_start < end; batch_start += kBatch) {
+      Pack<T, VEC> batch[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (batch_start + b < end)
+          batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(positions[batch_start + b]) * dim + v * VEC);
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int64_t j = batch_start + b;
+        if (j >= end) break;
+        const uint32_t key = keys[j];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
+        if (j + 1 < end && keys[j + 1] == key) continue;  // the run goes on inside this tile
+        const bool began_earlier = run_start == begin && key_at(keys, n, begin - 1, key);
+        const bool goes_on = key_at(keys, n, tile_end, key);
+        if (!began_earlier && !goes_on)
+          store_row_vector<T, VEC>(out, slot(key, run_start), dim, v, acc, j + 1 - run_start, scale_grad_by_freq);
+        else
+          store_partial<Acc, VEC>(tile_partials, piece_slot(tile, began_earlier), dim, v, acc);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+        run_start = j + 1;
+      }
+    }
+  }
+}
+
+// Level 2: rows longer than a tile, within each group of kGroupTiles tiles. One item per tile; a tile
+// leads the row that begins in it and goes on, and a group's first tile also leads the row that reaches
+// into the group from before. A leader adds the row's tile pieces in order up to the end of the row or of
+// the group: a row that lies inside the group is finished, a longer row leaves a piece in the group's slot.
+template <class T, int VEC, class Slot>
+__global__ void __launch_bounds__(kThreads)
+    reduce_tile_groups(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
+                       bool scale_grad_by_freq, T* __restrict__ out,
+                       const typename ElementTraits<T>::Acc* __restrict__ tile_partials,
+                       const uint2* __restrict__ tile_pieces,
+                       typename ElementTraits<T>::Acc* __restrict__ group_partials, int group, Slot slot) {
+  using Acc = typename ElementTraits<T>::Acc;
+  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t tiles = tile_count(n);
+  if (tile >= tiles) return;
+  const uint2 record = tile_pieces[tile];
+  const bool leads_later = record.y != sentinel;
+  const bool leads_earlier = record.x != sentinel && tile % kGroupTiles == 0;
+  if (!leads_later && !leads_earlier) return;
+  const int64_t tile_group = tile / kGroupTiles;
+  const int64_t end_tile = min((tile_group + 1) * kGroupTiles, tiles);
+  const int64_t group_end = min(end_tile * kTile, n);
+
+  for (int role = 0; role < 2; ++role) {
+    if (role == 0 ? !leads_earlier : !leads_later) continue;
+    const uint32_t row = role == 0 ? record.x : record.y;
+    const bool began_earlier = role == 0;  // a group's first-tile "earlier" piece began before the group
+    // The row's last tile inside the group: it goes on through tile t while t's record starts with it.
+    int64_t last = tile;
+    while (last + 1 < end_tile && tile_pieces[last + 1].x == row) ++last;
+    const bool goes_on = last + 1 == end_tile && key_at(keys, n, group_end, row);
+    int64_t count = 0, row_begin = 0;
+    if (!began_earlier && !goes_on) {
+      const int64_t row_end = upper_bound(keys, tile * kTile, group_end, row);
+      row_begin = lower_bound(keys, tile * kTile, group_end, row);
+      count = row_end - row_begin;
+    }
+    for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
+      Acc acc[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+      add_partial<Acc, VEC>(acc, tile_partials, piece_slot(tile, began_earlier), dim, v);
+      add_partials_in_order<Acc, VEC>(acc, tile_partials, tile + 1, last,
+                                      [](int64_t t) { return piece_slot(t, true); }, dim, v);
+      if (!began_earlier && !goes_on)
+        store_row_vector<T, VEC>(out, slot(row, row_begin), dim, v, acc, count, scale_grad_by_freq);
+      else
+        store_partial<Acc, VEC>(group_partials, piece_slot(tile_group, began_earlier), dim, v, acc);
+    }
+  }
+}
+
+// Level 3: rows that span tile groups. The group in which such a row begins adds the row's group pieces
+// in order and finishes it.
+template <class T, int VEC, class Slot>
+__global__ void __launch_bounds__(kThreads)
+    reduce_long_rows(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
+                     bool scale_grad_by_freq, T* __restrict__ out,
+                     const typename ElementTraits<T>::Acc* __restrict__ group_partials, int group, Slot slot) {
+  using Acc = typename ElementTraits<T>::Acc;
+  constexpr int64_t kGroupSpan = kTile * kGroupTiles;
+  const int64_t tile_group = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t group_begin = tile_group * kGroupSpan;
+  if (group_begin >= n) return;
+  const int64_t group_end = min(group_begin + kGroupSpan, n);
+  const uint32_t row = keys[group_end - 1];
+  if (row == sentinel || !key_at(keys, n, group_end, row)) return;                // does not go on
+  if (keys[group_begin] == row && key_at(keys, n, group_begin - 1, row)) return;  // began earlier
+  const int64_t row_begin = lower_bound(keys, group_begin, group_end, row);
+  const int64_t row_end = upper_bound(keys, group_end, n, row);
+  const int64_t last_group = (row_end - 1) / kGroupSpan;
+  const int64_t count = row_end - row_begin;
+  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
+    Acc total[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) total[k] = Acc(0);
+    add_partial<Acc, VEC>(total, group_partials, piece_slot(tile_group, false), dim, v);
+    add_partials_in_order<Acc, VEC>(total, group_partials, tile_group + 1, last_group,
+                                    [](int64_t u) { return piece_slot(u, true); }, dim, v);
+    store_row_vector<T, VEC>(out, slot(row, row_begin), dim, v, total, count, scale_grad_by_freq);
+  }
+}
+
+struct Workspace {
+  uint32_t* keys_in;
+  uint32_t* keys_sorted;
+  uint32_t* positions_in;
+  uint32_t* positions_sorted;
+  void* sort_scratch;
+  std::size_t sort_bytes;
+  uint8_t* row_occurs;
+  uint2* tile_pieces;
+  void* tile_partials;
+  void* group_partials;
+  void* scan_scratch;
+  std::size_t scan_bytes;
+};
+
+inline Workspace carve(void* base, const embedding_detail::CudaWorkspaceLayout& l) {
+  char* p = static_cast<char*>(base);
+  return {reinterpret_cast<uint32_t*>(p + l.keys_in),     reinterpret_cast<uint32_t*>(p + l.keys_sorted),
+          reinterpret_cast<uint32_t*>(p + l.positions_in), reinterpret_cast<uint32_t*>(p + l.positions_sorted),
+          p + l.sort_scratch,                              l.sort_bytes,
+          reinterpret_cast<uint8_t*>(p + l.row_occurs),    reinterpret_cast<uint2*>(p + l.tile_pieces),
+          p + l.tile_partials,                             p + l.group_partials,
+          p + l.scan_scratch,                              l.scan_bytes};
+}
+
+// Keys and positions of every occurrence (indices checked and errors recorded even where nothing is summed).
+template <bool kFlagRows>
+void launch_make_sort_keys(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Workspace& w,
+                           DeviceErrorRecord* error, cudaStream_t stream) {
+  const int n = static_cast<int>(a.num_indices);
+  if (n == 0) return;
+  const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));
+  if (a.index_dtype == DType::Int32)
+    make_sort_keys<int32_t, kFlagRows><<<key_blocks, kThreads, 0, stream>>>(
+        static_cast<const int32_t*>(a.indices), n, a.num_weights, padding_idx, w.keys_in, w.positions_in,
+        w.row_occurs, error);
+  else
+    make_sort_keys<int64_t, kFlagRows><<<key_blocks, kThreads, 0, stream>>>(
+        static_cast<const int64_t*>(a.indices), n, a.num_weights, padding_idx, w.keys_in, w.positions_in,
+        w.row_occurs, error);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
+// A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
+inline void sort_by_row(const EmbeddingBackwardArgs& a, const Workspace& w, cudaStream_t stream) {
+  std::size_t sort_bytes = w.sort_bytes;
+  GS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w.sort_scratch, sort_bytes, w.keys_in, w.keys_sorted,
+                                                w.positions_in, w.positions_sorted, static_cast<int>(a.num_indices),
+                                                0, sort_end_bit(a.num_weights), stream));
+}
+
+// The three reduce levels over the sorted pairs; `out` is the dense result or row_grads, as `slot` says.
+template <class T, int VEC, class Slot>
+void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, Slot slot, cudaStream_t stream) {
+  using Acc = typename ElementTraits<T>::Acc;
+  const int64_t n = a.num_indices;
+  const auto sentinel = static_cast<uint32_t>(a.num_weights);
+  T* const result = static_cast<T*>(out);
+  const Geometry tiles = geometry_for(tile_count(n), a.dim / VEC);
+  reduce_tiles<T, VEC, Slot><<<tiles.blocks, kThreads, 0, stream>>>(
+      static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n, a.dim, sentinel, a.scale_grad_by_freq,
+      result, static_cast<Acc*>(w.tile_partials), w.tile_pieces, tiles.group, slot);
+  GS_CUDA_CHECK_LAUNCH();
+  reduce_tile_groups<T, VEC, Slot><<<tiles.blocks, kThreads, 0, stream>>>(
+      w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
+      w.tile_pieces, static_cast<Acc*>(w.group_partials), tiles.group, slot);
+  GS_CUDA_CHECK_LAUNCH();
+  const Geometry groups = geometry_for(tile_group_count(n), a.dim / VEC);
+  reduce_long_rows<T, VEC, Slot><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
+                                                                   a.scale_grad_by_freq, result,
+                                                                   static_cast<const Acc*>(w.group_partials),
+                                                                   groups.group, slot);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+}  // namespace graphsafe
