@@ -127,17 +127,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The largest of the block's values (unsigned: absmax keys, or 0/1 flags), on every thread: a tree over shared
-// memory (max is exact in any order).
+// The largest of the block's values (unsigned: absmax keys, or 0/1 flags), on every thread: each warp's by one
+// REDUX, then the warps' from shared memory (max is exact in any order). Blocks are whole warps (block_size is a
+// power of two from 32).
 __device__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
-  scratch[threadIdx.x] = v;
+  const uint32_t warp = __reduce_max_sync(0xffffffffu, v);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = warp;
   __syncthreads();
-  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half && scratch[threadIdx.x + half] > scratch[threadIdx.x])
-      scratch[threadIdx.x] = scratch[threadIdx.x + half];
-    __syncthreads();
-  }
-  const uint32_t result = scratch[0];
+  uint32_t result = 0;
+  for (unsigned w = 0; w < blockDim.x / 32; ++w) result = scratch[w] > result ? scratch[w] : result;
   __syncthreads();  // read by all before the next call overwrites it
   return result;
 }
@@ -154,7 +152,7 @@ __global__ void __launch_bounds__(1024)
   const float rate = *lr.value;
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
-  __shared__ uint32_t scratch[1024];
+  __shared__ uint32_t scratch[32];  // one value per warp
   share_sparse_coefficients(o, rate, t, nullptr, k);
   const int64_t d = r.row_length, count = rows_in_use(r, valid_rows);
   T* param = static_cast<T*>(t.param);
