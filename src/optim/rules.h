@@ -392,14 +392,18 @@ GS_HD void with_algorithm(OptimAlgorithm a, F&& f) {
   }
 }
 
-// Any element-wise algorithm, chosen per element at run time. The fp32-state kernels use this form: they are
-// memory-bound, and the switch keeps them at 46 registers (5 blocks per SM); with one algorithm inlined per
-// loop they took 60-80 registers and AdamW at 64M parameters went from 0.50 to 0.73 ms on the H200.
+// Any element-wise algorithm with (Scheduled) or without a schedule, chosen per element at run time. The fp32-state
+// kernels use this form: they are memory-bound, and the switch keeps them at 46 registers (5 blocks per SM); with
+// one algorithm inlined per loop they took 60-80 registers and AdamW at 64M parameters went from 0.50 to 0.73 ms on
+// the H200. The algorithms with a schedule (Schedule-Free AdamW) have kernels of their own: in the one kernel for
+// all, their code made the others' loop slower (docs/benchmarks.md, the optim run of 2026-12-02).
+template <bool Scheduled>
 GS_HD void elementwise_step(const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
   if (skipped(o, g)) return;
   with_algorithm(o.algorithm, [&](auto algorithm) {
     constexpr OptimAlgorithm A = decltype(algorithm)::value;
-    if constexpr (!is_layerwise(A)) elementwise_rule<A>(o, k, g, p, s);  // LAMB, LARS: layer-wise rules below
+    // LAMB, LARS: layer-wise rules below
+    if constexpr (!is_layerwise(A) && (schedule_size(A) > 0) == Scheduled) elementwise_rule<A>(o, k, g, p, s);
   });
 }
 

@@ -18,7 +18,7 @@ namespace {
 
 using namespace optim_detail;
 
-template <class T, int States, int Bits>
+template <class T, int States, int Bits, bool Scheduled>
 __global__ void __launch_bounds__(ElementwisePolicy::kThreads, ElementwisePolicy::kMinBlocksPerSM)
     elementwise_kernel(OptimOptions o, LearningRate lr, TensorTable<States, Bits> table, int64_t total_blocks,
                        int /*block_size: 8-bit states only*/, const double* schedule_weights) {
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(ElementwisePolicy::kThreads, ElementwisePolicy
     share_coefficients(o, lr.value, table, w.tensor, current, k, schedule_weights);
     for_each_element<T, StateType<Bits>, States>(table, w, [&](float g, float& p, float* s) {
       if (skipped(o, g)) return false;
-      elementwise_step(o, k, g, p, s);
+      elementwise_step<Scheduled>(o, k, g, p, s);
       return true;
     });
   }
@@ -43,9 +43,17 @@ void launch_tables(const OptimStepArgs& a, const OptimTensor* tensors, int count
   const LearningRate lr = learning_rate(a);
   const int b = a.block_size;
   for_each_table<States, Bits>(a, tensors, count, [&](const TensorTable<States, Bits>& table, int64_t blocks) {
-    constexpr auto kernel = &elementwise_kernel<T, States, Bits>;  // named: GS_LAUNCH takes one token
-    GS_LAUNCH(kernel, grid_for(kernel, blocks), ElementwisePolicy::kThreads, stream, o, lr, table, blocks, b,
-              schedule_weights);
+    const auto launch = [&](auto kernel) {
+      GS_LAUNCH(kernel, grid_for(kernel, blocks), ElementwisePolicy::kThreads, stream, o, lr, table, blocks, b,
+                schedule_weights);
+    };
+    // (an algorithm with a schedule keeps 2 states: no other such kernel is built)
+    if constexpr (States == 2) {
+      if (optim_schedule_size(o.algorithm) > 0) launch(&elementwise_kernel<T, States, Bits, true>);
+      else launch(&elementwise_kernel<T, States, Bits, false>);
+    } else {
+      launch(&elementwise_kernel<T, States, Bits, false>);
+    }
     GS_CUDA_CHECK_LAUNCH();
   });
 }

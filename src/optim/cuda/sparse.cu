@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(static_cast<S*>(t.state[j])[e]);
     float p = ElementTraits<T>::load(param[e]);
-    elementwise_step(o, k, g, p, s);
+    if (schedule_weight != nullptr) elementwise_step<true>(o, k, g, p, s);  // (the dense kernels' split)
+    else elementwise_step<false>(o, k, g, p, s);
     param[e] = ElementTraits<T>::store(p);
 #pragma unroll
     for (int j = 0; j < States; ++j) static_cast<S*>(t.state[j])[e] = ElementTraits<S>::store(s[j]);
