@@ -47,13 +47,8 @@ void launch_tables(const OptimStepArgs& a, const OptimTensor* tensors, int count
       GS_LAUNCH(kernel, grid_for(kernel, blocks), ElementwisePolicy::kThreads, stream, o, lr, table, blocks, b,
                 schedule_weights);
     };
-    // (an algorithm with a schedule keeps 2 states: no other such kernel is built)
-    if constexpr (States == 2) {
-      if (optim_schedule_size(o.algorithm) > 0) launch(&elementwise_kernel<T, States, Bits, true>);
-      else launch(&elementwise_kernel<T, States, Bits, false>);
-    } else {
-      launch(&elementwise_kernel<T, States, Bits, false>);
-    }
+    if (optim_schedule_size(o.algorithm) > 0) launch(&elementwise_kernel<T, States, Bits, true>);
+    else launch(&elementwise_kernel<T, States, Bits, false>);
     GS_CUDA_CHECK_LAUNCH();
   });
 }
