@@ -59,6 +59,31 @@ def _check_embedding_backward_inputs(grad: Tensor, indices: Tensor, num_weights:
     _normalise_padding_idx(padding_idx, num_weights)
 
 
+def _check_embedding_backward_call(name: str, grad: Tensor, indices: Tensor, num_weights: int,
+                                   padding_idx: int) -> None:
+    """What the dense and the row-sparse backward check before they allocate anything."""
+    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    require_readable(name, "grad", grad)
+    require_readable(name, "indices", indices)
+    if grad.device.type == "cuda":
+        raise_pending_device_error()
+
+
+def _run_embedding_backward(name: str, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+                            scale_grad_by_freq: bool, outputs: tuple[int, ...]) -> None:
+    """The dense or the row-sparse backward (name: its binding, which `name`_workspace_bytes sizes) into the
+    outputs' addresses, with the workspace it asks for (the call checked by _check_embedding_backward_call)."""
+    device = grad.device
+    num_indices, dim = indices.numel(), grad.shape[-1]
+    workspace_bytes = getattr(_C, f"{name}_workspace_bytes")(device.type, device.index or 0, dtype_name(grad.dtype),
+                                                             num_indices, dim, num_weights)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+    run = _C.embedding_backward_dense if name == "embedding_backward" else _C.embedding_backward_sparse
+    run(device.type, device.index or 0, current_stream(device), *outputs, grad.data_ptr(), dtype_name(grad.dtype),
+        indices.data_ptr(), dtype_name(indices.dtype), num_indices, dim, num_weights, padding_idx, scale_grad_by_freq,
+        workspace.data_ptr(), workspace.numel())
+
+
 @torch.library.custom_op("graphsafe::embedding_backward", mutates_args=())
 def embedding_backward(
     grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1, scale_grad_by_freq: bool = False
@@ -73,38 +98,10 @@ def embedding_backward(
     identical on CPU and CUDA. Out-of-range indices raise IndexError on the CPU; on CUDA they are left out
     of the sum and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
     """
-    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
-    require_readable("embedding_backward", "grad", grad)
-    require_readable("embedding_backward", "indices", indices)
-    device = grad.device
-    if device.type == "cuda":
-        raise_pending_device_error()
-    num_indices, dim = indices.numel(), grad.shape[-1]
-    out = torch.empty((num_weights, dim), dtype=grad.dtype, device=device)
-    workspace = torch.empty(
-        _C.embedding_backward_workspace_bytes(
-            device.type, device.index or 0, dtype_name(grad.dtype), num_indices, dim, num_weights
-        ),
-        dtype=torch.uint8,
-        device=device,
-    )
-    _C.embedding_backward_dense(
-        device.type,
-        device.index or 0,
-        current_stream(device),
-        out.data_ptr(),
-        grad.data_ptr(),
-        dtype_name(grad.dtype),
-        indices.data_ptr(),
-        dtype_name(indices.dtype),
-        num_indices,
-        dim,
-        num_weights,
-        padding_idx,
-        scale_grad_by_freq,
-        workspace.data_ptr(),
-        workspace.numel(),
-    )
+    _check_embedding_backward_call("embedding_backward", grad, indices, num_weights, padding_idx)
+    out = torch.empty((num_weights, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+    _run_embedding_backward("embedding_backward", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
+                            (out.data_ptr(),))
     return out
 
 
@@ -132,43 +129,13 @@ def embedding_backward_sparse(
     Out-of-range indices raise IndexError on the CPU before anything is written; on CUDA they get no slot and
     raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
     """
-    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
-    require_readable("embedding_backward_sparse", "grad", grad)
-    require_readable("embedding_backward_sparse", "indices", indices)
-    device = grad.device
-    if device.type == "cuda":
-        raise_pending_device_error()
-    num_indices, dim = indices.numel(), grad.shape[-1]
-    capacity = min(num_indices, num_weights)
+    _check_embedding_backward_call("embedding_backward_sparse", grad, indices, num_weights, padding_idx)
+    capacity, device = min(indices.numel(), num_weights), grad.device
     rows = torch.empty((capacity,), dtype=torch.int64, device=device)
-    row_grads = torch.empty((capacity, dim), dtype=grad.dtype, device=device)
+    row_grads = torch.empty((capacity, grad.shape[-1]), dtype=grad.dtype, device=device)
     count = torch.empty((), dtype=torch.int64, device=device)
-    workspace = torch.empty(
-        _C.embedding_backward_sparse_workspace_bytes(
-            device.type, device.index or 0, dtype_name(grad.dtype), num_indices, dim, num_weights
-        ),
-        dtype=torch.uint8,
-        device=device,
-    )
-    _C.embedding_backward_sparse(
-        device.type,
-        device.index or 0,
-        current_stream(device),
-        rows.data_ptr(),
-        row_grads.data_ptr(),
-        count.data_ptr(),
-        grad.data_ptr(),
-        dtype_name(grad.dtype),
-        indices.data_ptr(),
-        dtype_name(indices.dtype),
-        num_indices,
-        dim,
-        num_weights,
-        padding_idx,
-        scale_grad_by_freq,
-        workspace.data_ptr(),
-        workspace.numel(),
-    )
+    _run_embedding_backward("embedding_backward_sparse", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
+                            (rows.data_ptr(), row_grads.data_ptr(), count.data_ptr()))
     return rows, row_grads, count
 
 
