@@ -1,5 +1,5 @@
 // What both backends' row-sparse steps (graphsafe/optim_sparse.h) share: the checks of a call and the workspace
-// layout of the LAMB/LARS route (a dense gradient, then the dense step's own workspace).
+// layout (the valid prefix's length on CUDA, the LAMB/LARS route's dense gradient, the dense step's workspace).
 #pragma once
 
 #include <cstddef>
