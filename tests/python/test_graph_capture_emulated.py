@@ -6,7 +6,7 @@ writes each result into the tensor recorded at capture. Like a real CUDA graph, 
 addresses, shapes and Python numbers are those of the capture, and only the recorded ops run. Unlike a real
 capture, the emulated capture also executes the ops once, so the first replay after a capture is skipped.
 graphsafe's optimizer update is a raw-pointer C++ call that the dispatcher does not see, so optimizer.step()
-is recorded as a whole.
+is recorded as a whole, and so is each fused table's sparse_step (optimizer._sparse_step).
 
 This checks what the runners do around the graphs (static batch buffers, region inputs/outputs, static
 copies of eager-region results, param.grad installation, replay order), bitwise against the eager loop. It
@@ -105,11 +105,21 @@ def _record_optimizer_steps(optimizer) -> None:
         return step(*args, **kwargs)
 
     optimizer.step = recorded_step
+    sparse_step = optimizer._sparse_step  # what graphsafe.optim.sparse_step calls: fused tables (sparse_update.py)
+
+    def recorded_sparse_step(*args):
+        if _RECORDING:
+            _RECORDING[-1].ops.append(lambda: sparse_step(*args))
+        return sparse_step(*args)
+
+    optimizer._sparse_step = recorded_sparse_step
 
 
 @pytest.mark.parametrize("runner", ["full", "piecewise"])
 @pytest.mark.parametrize("name, options", [("AdamW", dict(lr=1e-2)), ("LAMB", dict(lr=1e-2, skip_zeros=True)),
-                                           ("SGD", dict(lr=0.1, momentum=0.9))])
+                                           ("SGD", dict(lr=0.1, momentum=0.9)),
+                                           # skip_zeros: both tables are fused (row-sparse gradient + sparse_step)
+                                           ("AdamW", dict(lr=1e-2, skip_zeros=True, state_bits=8, min_8bit_size=0))])
 def test_emulated_capture_equals_the_eager_loop(emulated_cuda_graphs, runner, name, options):
     torch.manual_seed(0)
     model = (EmbeddingModel if runner == "full" else Planted)(padding_idx=2, scale_grad_by_freq=True)
@@ -122,14 +132,17 @@ def test_emulated_capture_equals_the_eager_loop(emulated_cuda_graphs, runner, na
     step = graphsafe.compile_step(model, ce_loss, optimizer, mode=runner, example_batch=batches[0])
     # compile_step only captures on CUDA; the model is on the CPU, so install the capture runner by hand.
     if runner == "full":
-        step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2)
+        step._runner = FullCaptureRunner(step.traced, step.graph_module, optimizer, 2, layout=step.layout)
     else:
-        step._runner = PiecewiseCaptureRunner(step.traced, step.graph_module, optimizer, 2, step.regions)
+        step._runner = PiecewiseCaptureRunner(step.traced, step.graph_module, optimizer, 2, step.regions, step.layout)
         assert step.report.partition.num_eager >= 2
     for i, batch in enumerate(batches):  # 2 warm-up steps, 1 capture, 5 replays
         assert_step_equals_eager_loop(step(batch), model, reference, ref_optimizer, batch, f"after step {i}")
     assert step.captured
-    assert all(p.grad is g for p, g in zip(step.traced.grad_params, step._runner.static_grads))
+    assert all(p.grad is g for p, g in zip(step.layout.dense_params, step._runner.static_grads))
+    fused = step.report.sparse_update.fused
+    assert len(fused) == (2 if options.get("skip_zeros") and name != "LAMB" else 0)
+    assert all(p.grad is None for p in step.layout.sparse_params) and len(step._runner.static_sparse) == len(fused)
 
 
 def _auto_step_on_a_full_runner(model, seed):

@@ -1,7 +1,10 @@
 """Running a traced step: eagerly, or captured in CUDA graphs (whole step, or piecewise around unsafe nodes).
 
 Every runner does the same thing per call: feed the batch, compute (loss, *grads) with the rewritten graph,
-put the gradients in param.grad, call optimizer.step(), return the loss. They differ in what is recorded:
+put the gradients in param.grad, call optimizer.step(), return the loss. Tables fused by
+fuse_sparse_embedding_update come out of the graph as (rows, row_grads, count) instead of a gradient: their
+.grad stays None (step() skips them) and graphsafe.optim.sparse_step steps them right after optimizer.step(),
+in the same CUDA graph where the step is captured (sparse_update.OutputLayout). They differ in what is recorded:
 
 * EagerRunner: runs the whole graph (or its regions, in order) op by op. Used on the CPU, in mode "eager",
   and on CUDA for the warm-up steps before a capture.
@@ -27,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .partition import Region, output_from_env, run_regions
+from .sparse_update import OutputLayout
 from .trace import TensorSpec, TracedStep
 
 __all__ = ["InputMismatchError", "CaptureError", "EagerRunner", "AutogradRunner", "CaptureRunner", "FullCaptureRunner",
@@ -57,31 +61,27 @@ def check_batch(batch: Sequence[Tensor], specs: Sequence[TensorSpec]) -> None:
             )
 
 
-def _split(outputs: Sequence[Any]) -> tuple[Tensor, list[Tensor]]:
-    return outputs[0], list(outputs[1:])
-
-
 class EagerRunner:
     """The traced (rewritten) graph run op by op, whole or region by region. No capture, any device."""
 
     captured = False
 
     def __init__(self, traced: TracedStep, gm: torch.fx.GraphModule, optimizer: torch.optim.Optimizer,
-                 regions: Sequence[Region] | None = None) -> None:
+                 regions: Sequence[Region] | None = None, layout: OutputLayout | None = None) -> None:
         self.traced, self.gm, self.optimizer, self.regions = traced, gm, optimizer, regions
+        self.layout = layout if layout is not None else OutputLayout(traced.grad_params)
 
-    def compute(self, batch: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    def compute(self, batch: Sequence[Tensor]) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, Tensor, Tensor]]]:
         inputs = self.traced.inputs(batch)
         # The graph is already forward + backward in aten ops: autograd must not record it again.
         with torch.no_grad():
             outputs = self.gm(*inputs) if self.regions is None else run_regions(self.regions, self.gm, inputs)
-        return _split(outputs)
+        return self.layout.split(outputs)
 
     def __call__(self, batch: Sequence[Tensor]) -> Tensor:
-        loss, grads = self.compute(batch)
-        for p, g in zip(self.traced.grad_params, grads):
-            p.grad = g
-        self.optimizer.step()
+        loss, grads, sparse = self.compute(batch)
+        self.layout.install(grads)
+        self.layout.step(self.optimizer, sparse)
         return loss
 
 
@@ -134,15 +134,18 @@ class CaptureRunner:
     captured = True
 
     def __init__(self, traced: TracedStep, gm: torch.fx.GraphModule, optimizer: torch.optim.Optimizer,
-                 warmup_steps: int, regions: Sequence[Region] | None = None) -> None:
+                 warmup_steps: int, regions: Sequence[Region] | None = None, layout: OutputLayout | None = None) -> None:
         self.traced, self.gm, self.optimizer = traced, gm, optimizer
+        self.layout = layout if layout is not None else OutputLayout(traced.grad_params)
         self.warmup_steps = warmup_steps
         self.written_buffers = written_buffers(traced, gm)
-        self.eager = EagerRunner(traced, gm, optimizer, regions)
+        # The warm-up steps run sparse_step eagerly too: its states and the lr tensor exist before the capture.
+        self.eager = EagerRunner(traced, gm, optimizer, regions, self.layout)
         self.calls = 0
         self.pool = None
         self.static_batch: list[Tensor] | None = None
-        self.static_grads: list[Tensor] = []
+        self.static_grads: list[Tensor] = []  # one per layout.dense_params
+        self.static_sparse: list[tuple[Tensor, Tensor, Tensor]] = []  # one per layout.sparse_params
         self.static_loss: Tensor | None = None
 
     def __call__(self, batch: Sequence[Tensor]) -> Tensor:
@@ -180,10 +183,9 @@ class CaptureRunner:
         return self.static_loss.clone()
 
     def _install_grads(self) -> None:
-        # The graphs read and write these exact tensors; someone may have called zero_grad() in between.
-        for p, g in zip(self.traced.grad_params, self.static_grads):
-            if p.grad is not g:
-                p.grad = g
+        # The graphs read and write these exact tensors; someone may have called zero_grad() in between. A fused
+        # table's .grad goes back to None, which is what the captured step saw.
+        self.layout.install(self.static_grads)
 
 
 class FullCaptureRunner(CaptureRunner):
@@ -193,11 +195,10 @@ class FullCaptureRunner(CaptureRunner):
         graph = torch.cuda.CUDAGraph()
         inputs = self.traced.inputs(self.static_batch)
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-            loss, grads = _split(self.gm(*inputs))
-            for p, g in zip(self.traced.grad_params, grads):
-                p.grad = g
-            self.optimizer.step()
-        self.graph, self.static_loss, self.static_grads = graph, loss, grads
+            loss, grads, sparse = self.layout.split(self.gm(*inputs))
+            self.layout.install(grads)
+            self.layout.step(self.optimizer, sparse)  # fused tables' sparse_step in the same graph
+        self.graph, self.static_loss, self.static_grads, self.static_sparse = graph, loss, grads, sparse
         graph.replay()
 
     def _replay(self) -> None:
@@ -206,13 +207,15 @@ class FullCaptureRunner(CaptureRunner):
 
 
 class PiecewiseCaptureRunner(CaptureRunner):
-    """One CUDA graph per capturable region, eager regions in between, one CUDA graph for optimizer.step()."""
+    """One CUDA graph per capturable region, eager regions in between, one CUDA graph for optimizer.step() (and the
+    fused tables' sparse_step)."""
 
-    def __init__(self, traced, gm, optimizer, warmup_steps, regions: Sequence[Region]) -> None:
-        super().__init__(traced, gm, optimizer, warmup_steps, regions)
+    def __init__(self, traced, gm, optimizer, warmup_steps, regions: Sequence[Region],
+                 layout: OutputLayout | None = None) -> None:
+        super().__init__(traced, gm, optimizer, warmup_steps, regions, layout)
         self.regions = list(regions)
         output_names = _output_names(gm)
-        self.grad_names = output_names[1:]
+        self.grad_names = output_names[1:]  # the gradients and the fused tables' (rows, row_grads, count)
         # Tensors an eager region makes that a captured graph reads (a later captured region, or the optimizer
         # graph through param.grad) are copied into static buffers, whose addresses the graphs keep.
         read_by_graphs = set(self.grad_names)
@@ -248,12 +251,12 @@ class PiecewiseCaptureRunner(CaptureRunner):
                     if isinstance(env[name], Tensor):
                         self.static_buffers[name] = env[name] = env[name].clone()
         self.env = env
-        loss, grads = _split(output_from_env(self.gm, env))
-        self.static_loss, self.static_grads = loss, grads
+        loss, grads, sparse = self.layout.split(output_from_env(self.gm, env))
+        self.static_loss, self.static_grads, self.static_sparse = loss, grads, sparse
         self._install_grads()
         self.optimizer_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.optimizer_graph, pool=self.pool):
-            self.optimizer.step()
+            self.layout.step(self.optimizer, sparse)
         self.optimizer_graph.replay()
 
     def _replay(self) -> None:

@@ -21,6 +21,7 @@ from ..optim._base import GraphsafeOptimizer
 from .gate import GateReport, capture_gate
 from .partition import PartitionReport, partition_for_capture
 from .rewrite import RewriteReport, rewrite_embedding_backward
+from .sparse_update import OutputLayout, SparseUpdateReport, fuse_sparse_embedding_update
 from .trace import TensorSpec, TracedStep, as_batch, trace_training_step
 
 __all__ = ["MODES", "StepReport", "CompiledStep", "compile_step"]
@@ -44,13 +45,14 @@ class StepReport:
     fallbacks: list[str] = field(default_factory=list)
     data_parallel: DataParallelPlan | None = None
     traced: bool = True  # False: a model compile_step cannot trace (FSDP2), run through autograd
+    sparse_update: SparseUpdateReport = field(default_factory=SparseUpdateReport)
 
     def __str__(self) -> str:
         parts = [f"mode: {self.mode} (requested {self.requested_mode}) - {self.decision}"]
         parts += [f"fallback: {f}" for f in self.fallbacks]
         if self.data_parallel is not None:
             parts.append(str(self.data_parallel))
-        parts += [str(self.rewrite), str(self.gate), str(self.partition)]
+        parts += [str(self.rewrite), str(self.sparse_update), str(self.gate), str(self.partition)]
         return "\n".join(parts)
 
 
@@ -63,6 +65,12 @@ class CompiledStep:
     being reset to None. The model is traced on the first call (or at construction when example_batch is
     given); `.report` and `.mode` are available from then on.
 
+    Sparse updates (sparse_updates=True, the default; sparse_update.py): an embedding table whose gradient is
+    only its embedding backward and whose graphsafe optimizer group has skip_zeros=True is stepped row-sparse
+    (graphsafe.optim.sparse_step after optimizer.step(), in the same captured graph): bitwise the same parameters
+    and states, but its dense gradient is never built, so a fused table's param.grad stays None after a call.
+    `.report.sparse_update` lists the fused tables and, for every other embedding weight, why not.
+
     Data parallelism (data_parallel.py, docs/multi-gpu.md): a DistributedDataParallel model, or data_parallel=
     True / a ProcessGroup / a DataParallel, makes the traced step average the gradients over the ranks inside the
     graph, as DDP does. Constructing such a step is a collective (rank 0's parameters and buffers are broadcast,
@@ -71,7 +79,7 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
                  mode: str = "auto", *, num_model_inputs: int = 1, warmup_steps: int = 2,
-                 example_batch: Any = None, data_parallel: Any = None) -> None:
+                 example_batch: Any = None, data_parallel: Any = None, sparse_updates: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -80,6 +88,8 @@ class CompiledStep:
             raise ValueError(f"warmup_steps must be an int >= 1 (eager steps before the capture), got {warmup_steps!r}")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.requested_mode, self.num_model_inputs, self.warmup_steps = mode, num_model_inputs, warmup_steps
+        self.sparse_updates = bool(sparse_updates)
+        self.layout: OutputLayout | None = None
         self.device = _model_device(model)
         self.module, self.data_parallel = resolve_data_parallel(model, data_parallel)
         self.sharded = sharded_findings(self.module)
@@ -124,12 +134,17 @@ class CompiledStep:
             return self._prepare_untraced(batch)
         traced = self._trace(batch)
         gm, rewrite = rewrite_embedding_backward(traced.graph_module)
+        if self.sparse_updates:
+            gm, sparse = fuse_sparse_embedding_update(gm, traced, self.optimizer)
+        else:
+            sparse = SparseUpdateReport(enabled=False, note="sparse_updates=False")
         _, gate = capture_gate(gm, self.device)
         split, partition = partition_for_capture(gm, gate, self.device)
         self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition,
-                                 data_parallel=self.data_parallel)
+                                 data_parallel=self.data_parallel, sparse_update=sparse)
         mode, decision = self._choose_mode(gate, partition)  # may refuse the mode: then nothing is kept
         self.traced, self.graph_module, self.regions = traced, gm, split.regions
+        self.layout = OutputLayout(traced.grad_params, sparse.fused_indices)
         self.batch_specs = traced.batch_specs
         self._use(mode, decision)
 
@@ -157,7 +172,7 @@ class CompiledStep:
         the reason; the step runs eagerly through autograd, or is refused if a capture mode was asked for."""
         gate = GateReport(self.device, unsafe=list(self.sharded))
         self.report = StepReport(self.requested_mode, self.device, RewriteReport(), gate, PartitionReport(),
-                                 traced=False)
+                                 traced=False, sparse_update=SparseUpdateReport(enabled=False, note="not traced"))
         first = self.sharded[0]
         if self.requested_mode in ("full", "piecewise"):
             raise CaptureError(f"mode={self.requested_mode!r}: this model cannot be traced, so nothing of its step can "
@@ -175,6 +190,8 @@ class CompiledStep:
 
     def _choose_mode(self, gate: GateReport, partition: PartitionReport) -> tuple[str, str]:
         counts = f"{len(self.report.rewrite.rewritten)} embedding backward(s) rewritten, {len(gate.unsafe)} unsafe node(s)"
+        if self.report.sparse_update.fused:
+            counts += f", {len(self.report.sparse_update.fused)} table(s) stepped row-sparse"
         optimizer_problem = _optimizer_not_capturable(self.optimizer)
         if self.device.type == "cuda" and optimizer_problem:
             # Known before any capture: a capture would fail at optimizer.step() after the regions ran.
@@ -200,18 +217,18 @@ class CompiledStep:
         return mode, why
 
     def _use(self, mode: str, decision: str) -> None:
-        traced, gm, opt = self.traced, self.graph_module, self.optimizer
+        traced, gm, opt, layout = self.traced, self.graph_module, self.optimizer, self.layout
         if self.device.type != "cuda":
             # No capture on the CPU: the rewritten graph runs op by op (piecewise: region by region).
-            self._runner = EagerRunner(traced, gm, opt, self.regions if mode == "piecewise" else None)
+            self._runner = EagerRunner(traced, gm, opt, self.regions if mode == "piecewise" else None, layout)
             if self.requested_mode != "auto":
                 decision += f"; {self.device.type}: run without capture"
         elif mode == "full":
-            self._runner = FullCaptureRunner(traced, gm, opt, self.warmup_steps)
+            self._runner = FullCaptureRunner(traced, gm, opt, self.warmup_steps, layout=layout)
         elif mode == "piecewise":
-            self._runner = PiecewiseCaptureRunner(traced, gm, opt, self.warmup_steps, self.regions)
+            self._runner = PiecewiseCaptureRunner(traced, gm, opt, self.warmup_steps, self.regions, layout)
         else:
-            self._runner = EagerRunner(traced, gm, opt)
+            self._runner = EagerRunner(traced, gm, opt, layout=layout)
         self.report.mode, self.report.decision = mode, decision
         logger.info("graphsafe.graph: mode=%s (%s)", mode, decision)
 
@@ -230,7 +247,7 @@ class CompiledStep:
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimizer: torch.optim.Optimizer,
                  mode: str = "auto", *, num_model_inputs: int = 1, warmup_steps: int = 2,
-                 example_batch: Any = None, data_parallel: Any = None) -> CompiledStep:
+                 example_batch: Any = None, data_parallel: Any = None, sparse_updates: bool = True) -> CompiledStep:
     """Compile `loss = loss_fn(model(*batch[:k]), *batch[k:]); backward; optimizer.step()` into one callable.
 
     mode: "auto" (full capture when the gate passes, else piecewise, else eager), "full", "piecewise" or
@@ -240,9 +257,13 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., Tensor], optimiz
     data_parallel: None (data parallel only when model is a DistributedDataParallel), True (the default process
     group), a ProcessGroup, or a graphsafe.graph.DataParallel: the gradients are averaged over the group's ranks
     inside the traced step (bucketed functional all-reduces, DDP's numerics). See docs/multi-gpu.md.
+
+    sparse_updates: fuse each embedding table that qualifies into a row-sparse gradient and
+    graphsafe.optim.sparse_step (CompiledStep's docstring, docs/graph.md); False keeps every gradient dense.
     """
     return CompiledStep(model, loss_fn, optimizer, mode, num_model_inputs=num_model_inputs,
-                        warmup_steps=warmup_steps, example_batch=example_batch, data_parallel=data_parallel)
+                        warmup_steps=warmup_steps, example_batch=example_batch, data_parallel=data_parallel,
+                        sparse_updates=sparse_updates)
 
 
 def _optimizer_not_capturable(optimizer: torch.optim.Optimizer) -> str:
