@@ -47,6 +47,12 @@ def _add_train(commands) -> None:
     train.add_argument("--lr", type=_positive_float, help="learning rate (default: per optimizer, see trainer/run.py)")
     train.add_argument("--state-bits", type=int, choices=(32, 16, 8), default=32, help="optimizer state bits (default 32)")
     train.add_argument("--skip-zeros", action="store_true", help="leave elements with an exactly-zero gradient untouched")
+    train.add_argument("--sparse-updates", action=argparse.BooleanOptionalAction, default=True,
+                       help="step embedding tables row-sparse (their dense gradient never built, same result bitwise) "
+                            "where the table's optimizer group has skip_zeros (default on). recsys: the tables get "
+                            "a param group with skip_zeros=True for it (untouched rows keep their values and states); "
+                            "lm: applies with --skip-zeros. --no-sparse-updates: dense gradients, and recsys tables "
+                            "follow --skip-zeros")
     train.add_argument("--mode", choices=("auto", "full", "piecewise", "eager"), default="auto",
                        help="capture mode (default auto: full if the gate passes, else piecewise, else eager)")
     train.add_argument("--steps", type=_positive_int, help="training steps (default: cpu 30, cuda 200)")
@@ -191,7 +197,7 @@ def _run_train(args: argparse.Namespace) -> int:
     nproc, parallel = _processes(args, device)
     config = default_config(
         str(device), model=args.model, moe=args.moe, optimizer=args.optimizer, lr=args.lr, state_bits=args.state_bits,
-        skip_zeros=args.skip_zeros, mode=args.mode, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
+        skip_zeros=args.skip_zeros, sparse_updates=args.sparse_updates, mode=args.mode, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers, matmul=args.matmul,
         check_determinism=args.check_determinism, compare_torch=args.compare_torch, parallel=parallel,
     )

@@ -66,3 +66,29 @@ def test_train_matmul_precision_is_scoped_to_cuda_runs():
         assert matmul.allow_tf32 == before
     with pytest.raises(SystemExit, match="unknown matmul precision"), matmul_precision(default_config("cuda", matmul="bf16")):
         pass
+
+
+def test_train_recsys_fuses_its_tables_by_default(capsys):
+    from graphsafe.cli import main
+
+    small = ["train", "--steps", "3", "--device", "cpu", "--model", "recsys", "--vocab", "512", "--dim", "16",
+             "--batch-size", "64"]
+    assert main(small) == 0
+    out = capsys.readouterr().out
+    assert "embedding tables skip_zeros=True for --sparse-updates" in out
+    assert "4 table(s) fused" in out
+    for table in ("users", "items", "categories", "history"):
+        assert f"{table}.weight [" in out
+    assert main([*small, "--no-sparse-updates"]) == 0
+    out = capsys.readouterr().out
+    assert "off (--no-sparse-updates)" in out and "skip_zeros=True for --sparse-updates" not in out
+
+
+def test_train_lm_says_why_its_tables_are_not_fused_without_skip_zeros():
+    from graphsafe.trainer import default_config
+    from graphsafe.trainer.run import train
+
+    result = train(default_config("cpu", steps=1, vocab=256, dim=16, seq_len=8, layers=1, progress=False))
+    refused = dict(result.step.report.sparse_update.refused)
+    assert sorted(refused) == ["positions.weight", "tokens.weight"]
+    assert all("skip_zeros=False" in why for why in refused.values())

@@ -76,6 +76,9 @@ class TrainConfig:
     lr: float | None = None
     state_bits: int = 32
     skip_zeros: bool = False
+    # compile_step(sparse_updates=...): tables whose group has skip_zeros get the row-sparse step. recsys puts its
+    # tables in a skip_zeros=True group for it (_optimizer); lm tables qualify with --skip-zeros.
+    sparse_updates: bool = True
     mode: str = "auto"
     steps: int = 30
     device: str = "cpu"
@@ -242,9 +245,22 @@ def _build(config: TrainConfig, ctx: ParallelContext | None = None):
     return model, data, loss_fn, inputs, f"{what} ({params / 1e6:.1f}M parameters)"
 
 
-def _optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
+def tables_skip_zeros(config: TrainConfig) -> bool:
+    """Whether the embedding tables get a param group of their own with skip_zeros=True: recsys with sparse
+    updates (the row-sparse step needs skip_zeros, which --skip-zeros would give every parameter)."""
+    return config.model == "recsys" and config.sparse_updates and not config.skip_zeros
+
+
+def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     cls, options = OPTIMIZERS[config.optimizer]
     options = dict(options, **({"lr": config.lr} if config.lr is not None else {}))
+    params = list(model.parameters())
+    if tables_skip_zeros(config):
+        # A table row the batch did not touch then keeps its value and states (no weight decay or momentum on
+        # it), which is what lets compile_step step the tables row-sparse.
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        params = [{"params": [p for p in params if id(p) in tables], "skip_zeros": True},
+                  {"params": [p for p in params if id(p) not in tables]}]
     return cls(params, **options, skip_zeros=config.skip_zeros, state_bits=config.state_bits)
 
 
@@ -315,8 +331,9 @@ def _graph_run(config: TrainConfig, show=None, mode: str | None = None, ctx: Par
     trained = parallel.wrap_model(model, ctx) if ctx is not None else model
     if ctx is not None and ctx.mode == "fsdp2":
         model = trained  # FSDP2 works on a copy with graphsafe embeddings (parallel.wrap_model)
-    optimizer = _optimizer(config, trained.parameters())
-    step = compile_step(trained, loss_fn, optimizer, mode=mode or config.mode, num_model_inputs=inputs)
+    optimizer = _optimizer(config, trained)
+    step = compile_step(trained, loss_fn, optimizer, mode=mode or config.mode, num_model_inputs=inputs,
+                        sparse_updates=config.sparse_updates)
     extra = {"model": what, "data": data.describe()}
     # Cold experts' weights are read whole on each rank: not under FSDP2, where each rank holds a shard.
     cold = _cold_expert_weights(model) if ctx is None or ctx.mode == "ddp" else None
@@ -386,7 +403,8 @@ def train(config: TrainConfig) -> TrainResult:
     matmul = f", {config.matmul} matmuls" if device.type == "cuda" else ""
     where = f"{ctx.world_size} x {device.type} ({config.parallel})" if ctx is not None else str(device)
     _print_main(ctx, f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {where}{matmul}, "
-                f"{config.optimizer} (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}), "
+                f"{config.optimizer} (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}"
+                f"{'; embedding tables skip_zeros=True for --sparse-updates' if tables_skip_zeros(config) else ''}), "
                 f"mode={config.mode}, {config.steps} steps, seed {config.seed}")
     with matmul_precision(config):
         return _train(config, ctx)
@@ -488,6 +506,18 @@ def _first_steps(config: TrainConfig, step) -> int:
     return step.warmup_steps + 1 if step.captured else 1
 
 
+def _sparse_update_rows(config: TrainConfig, report) -> list[tuple[str, str]]:
+    sparse = report.sparse_update
+    if not sparse.enabled:
+        why = "--no-sparse-updates" if not config.sparse_updates else sparse.note
+        return [("sparse updates", f"off ({why})")]
+    rows = [("sparse updates", f"{len(sparse.fused)} table(s) fused: row-sparse gradient + graphsafe.optim.sparse_step"
+             + ("" if sparse.fused or sparse.refused else " (no embedding table reached)"))]
+    rows += [("", f"{t.name} {list(t.shape)}: up to {t.capacity} rows per step") for t in sparse.fused]
+    rows += [("not fused", f"{name}: {why}") for name, why in sparse.refused]
+    return rows
+
+
 def summary(result: TrainResult) -> str:
     from ..bench.report import markdown_table
 
@@ -510,6 +540,7 @@ def summary(result: TrainResult) -> str:
                      + (f"; {len(report.rewrite.left_alone)} left alone" if report.rewrite.left_alone else "")))
     rows += [("", r.split(": ", 1)[-1]) for r in rewrites]
     rows += [("left alone", f"{n}: {why}") for n, why in report.rewrite.left_alone]
+    rows += _sparse_update_rows(config, report)
     by_rule = report.gate.by_rule()
     rows.append(("unsafe nodes", "none (the whole step is capturable)" if not by_rule else f"{len(report.gate.unsafe)}"))
     for rule, findings in by_rule.items():
