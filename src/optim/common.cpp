@@ -233,6 +233,9 @@ void optim_detail::check_sparse_step_args(Backend backend, const OptimStepArgs& 
     throw std::invalid_argument("sparse optimizer step: layerwise_norms (sharded LAMB/LARS) is not supported");
   if (g.row_length <= 0)
     throw std::invalid_argument("sparse optimizer step: row_length must be > 0, got " + std::to_string(g.row_length));
+  if (g.row_length > INT32_MAX)  // (the CUDA kernels find an element's column with 32-bit arithmetic)
+    throw std::invalid_argument("sparse optimizer step: rows of more than 2^31 - 1 elements are not supported, got " +
+                                std::to_string(g.row_length));
   if (t.numel % g.row_length != 0)
     throw std::invalid_argument("sparse optimizer step: row_length " + std::to_string(g.row_length) +
                                 " does not divide the tensor's " + std::to_string(t.numel) + " elements");

@@ -1,8 +1,9 @@
-// The row-sparse step's kernels (graphsafe/optim_sparse.h): element-wise algorithms with fp32 or bf16 states, one
-// thread per element of a listed row; with 8-bit states, one thread block per quantisation block that a listed
-// row touches; and the scatter of the rows into a dense gradient for LAMB and LARS. Each applies the rule the dense
-// kernels apply (rules.h), with the same coefficients and, for 8-bit states, the same Math and quantiser, so the
-// bits are the dense step's. Grids are sized from the capacity; threads past the device-side count exit.
+// The row-sparse step's kernels (graphsafe/optim_sparse.h): element-wise algorithms with fp32 or bf16 states, a
+// packet of consecutive elements of a listed row per thread (the dense loop's packets); with 8-bit states, a team
+// of threads (a warp for blocks of up to 256 elements) per quantisation block that a listed row touches; and the
+// scatter of the rows into a dense gradient for LAMB and LARS. Each applies the rule the dense kernels apply
+// (rules.h), with the same coefficients and, for 8-bit states, the same Math and quantiser, so the bits are the
+// dense step's. Grids are sized from the capacity; threads past the device-side count exit.
 #include <cstdint>
 
 #include "common/cuda_check.h"
@@ -97,104 +98,160 @@ __device__ void share_sparse_coefficients(const OptimOptions& o, float rate, con
   __syncthreads();
 }
 
-// fp32 (Bits 32) or bf16 (Bits 16) states: one thread per element of the listed rows, elementwise_step as the dense
-// kernel (elementwise.cu) runs it.
-template <class T, int States, int Bits>
+// load_packet / update_packet's view of one packet: element e of the table and its states, and its gradient at
+// entry i of row_grads (the packet's slot of the list).
+struct PacketView {
+  void* param[1];
+  const void* grad[1];
+  void* state[kMaxOptimStates][1];
+};
+
+// fp32 (Bits 32) or bf16 (Bits 16) states: elementwise_step as the dense kernel (elementwise.cu) runs it, on the
+// elements of the listed rows. Wide (the rows' length a multiple of kVector and every pointer aligned for
+// packets): one packet of kVector consecutive elements of a row per thread, through the dense loop's
+// load_packet / update_packet; otherwise one element per thread.
+template <class T, int States, int Bits, bool Scheduled>
 __global__ void __launch_bounds__(kThreads)
     sparse_elementwise_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r,
-                              const unsigned long long* valid_rows, const double* schedule_weight) {
+                              const unsigned long long* valid_rows, const double* schedule_weight, bool wide) {
   using S = StateType<Bits>;
+  constexpr int kVec = ChunkPolicy::kVector;
   const float rate = *lr.value;
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
   share_sparse_coefficients(o, rate, t, schedule_weight, k);
-  const int64_t d = r.row_length, total = rows_in_use(r, valid_rows) * d;
+  const auto body = [&](float g, float& p, float* s) {
+    if (skipped(o, g)) return false;
+    elementwise_step<Scheduled>(o, k, g, p, s);
+    return true;
+  };
+  const int64_t d = r.row_length, used = rows_in_use(r, valid_rows);
   T* param = static_cast<T*>(t.param);
   const T* row_grads = static_cast<const T*>(r.row_grads);
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+  const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x, stride = int64_t(gridDim.x) * kThreads;
+  if (wide) {
+    const int64_t per_row = d / kVec;
+    for (int64_t q = first; q < used * per_row; q += stride) {
+      const int64_t slot = q / per_row, column = (q - slot * per_row) * kVec, e = r.rows[slot] * d + column;
+      PacketView view{{param + e}, {row_grads + slot * d + column}, {}};
+#pragma unroll
+      for (int j = 0; j < States; ++j) view.state[j][0] = static_cast<S*>(t.state[j]) + e;
+      Packet<T, S, States> x;
+      load_packet(view, 0, 0, x);
+      update_packet(view, 0, 0, x, body);
+    }
+    return;
+  }
+  for (int64_t i = first; i < used * d; i += stride) {
     const int64_t slot = i / d;
     const int64_t e = r.rows[slot] * d + (i - slot * d);
-    const float g = ElementTraits<T>::load(row_grads[i]);
-    if (skipped(o, g)) continue;
     float s[4] = {};  // all four set: a rule never reads an undefined register (see optim.md)
 #pragma unroll
     for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(static_cast<S*>(t.state[j])[e]);
     float p = ElementTraits<T>::load(param[e]);
-    if (schedule_weight != nullptr) elementwise_step<true>(o, k, g, p, s);  // (the dense kernels' split)
-    else elementwise_step<false>(o, k, g, p, s);
+    if (!body(ElementTraits<T>::load(row_grads[i]), p, s)) continue;
     param[e] = ElementTraits<T>::store(p);
 #pragma unroll
     for (int j = 0; j < States; ++j) static_cast<S*>(t.state[j])[e] = ElementTraits<S>::store(s[j]);
   }
 }
 
-// The largest of the block's values (unsigned: absmax keys, or 0/1 flags), on every thread: each warp's by one
-// REDUX, then the warps' from shared memory (max is exact in any order). Blocks are whole warps (block_size is a
-// power of two from 32).
-__device__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
-  const uint32_t warp = __reduce_max_sync(0xffffffffu, v);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = warp;
+// 8-bit states: a team of threads per quantisation block that a listed row touches. Blocks of up to 256 elements:
+// a team is one warp (a thread block holds kThreads / 32 teams), each lane owning block_size / 32 elements;
+// larger blocks: a team is the whole thread block of block_size / kPerLane threads. Team thread t owns elements
+// t, t + team_threads, ... of the block, so that each load and store instruction of a warp is contiguous.
+// The block's "any element updated" and absmax are unsigned maxima (exact in any order): one REDUX per warp, then,
+// for teams of several warps, through shared memory.
+struct QuantizedTeam {
+  static constexpr int kPerLane = 8;                   // elements per thread at most (registers)
+  static constexpr int kWarpBlock = 32 * kPerLane;     // the largest block one warp takes
+  int warps, threads, per_thread;
+
+  __host__ __device__ explicit QuantizedTeam(int block_size)
+      : warps(block_size > kWarpBlock ? block_size / kWarpBlock : 1), threads(32 * warps),
+        per_thread(block_size / threads) {}
+  __host__ __device__ int block_threads() const { return warps == 1 ? kThreads : threads; }
+};
+
+__device__ uint32_t team_max(uint32_t v, const QuantizedTeam& team, uint32_t* scratch) {
+  v = __reduce_max_sync(0xffffffffu, v);
+  if (team.warps == 1) return v;  // (the team is the thread block below: the barriers are uniform)
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
-  uint32_t result = 0;
-  for (unsigned w = 0; w < blockDim.x / 32; ++w) result = scratch[w] > result ? scratch[w] : result;
+  for (int w = 0; w < team.warps; ++w) v = scratch[w] > v ? scratch[w] : v;
   __syncthreads();  // read by all before the next call overwrites it
-  return result;
+  return v;
 }
 
-// 8-bit states: one thread block of block_size threads per quantisation block, one element per thread. Work item
-// (k, i) is block i of those row k's elements touch; a block that the previous listed row touches too is that
-// row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the dense
-// step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the dense
-// kernel's), and, if any element was updated, the states requantised with quantize_block's absmax and codes.
+// Work item (k, i): block i of those row k's elements touch; a block that the previous listed row touches too is
+// that row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the
+// dense step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the
+// dense kernel's), and, if any element was updated, the states requantised with quantize_block's absmax and codes.
+// Rows are at most INT32_MAX long (the launch checks): an element's row and column take 32-bit divisions.
 template <class T, int States, OptimAlgorithm A, class Math>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(kThreads)
     sparse_quantized_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r,
                             const unsigned long long* valid_rows, int block_size, int64_t blocks_per_row) {
+  constexpr int kPerLane = QuantizedTeam::kPerLane;
   const float rate = *lr.value;
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
-  __shared__ uint32_t scratch[32];  // one value per warp
+  __shared__ uint32_t scratch[kThreads / 32];
   share_sparse_coefficients(o, rate, t, nullptr, k);
+  const QuantizedTeam team(block_size);
+  const int teams_per_block = blockDim.x / team.threads, member = threadIdx.x % team.threads;
   const int64_t d = r.row_length, count = rows_in_use(r, valid_rows);
+  const uint32_t d32 = static_cast<uint32_t>(d);
   T* param = static_cast<T*>(t.param);
   const T* row_grads = static_cast<const T*>(r.row_grads);
-  for (int64_t item = blockIdx.x; item < count * blocks_per_row; item += gridDim.x) {
+  for (int64_t item = int64_t(blockIdx.x) * teams_per_block + threadIdx.x / team.threads;
+       item < count * blocks_per_row; item += int64_t(gridDim.x) * teams_per_block) {
     const int64_t slot = item / blocks_per_row;
     const int64_t row = r.rows[slot];
     const int64_t b = row * d / block_size + item % blocks_per_row;
     if (b > (row * d + d - 1) / block_size) continue;                                          // past the row
     if (slot > 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // the previous entry's block
-    const int64_t e = b * block_size + threadIdx.x;
-    const bool inside = e < t.numel;
-    float g = 0.0f;
-    if (inside) {  // the gradient of element e: its row's entry of the list, if listed (rows from `slot` on)
-      const int64_t element_row = e / d;
-      int64_t j = slot;
+    const int64_t start = b * block_size, first_row = start / d;
+    const uint32_t first_column = static_cast<uint32_t>(start - first_row * d);
+    float g[kPerLane], p[kPerLane], s[kPerLane][4];
+    bool inside[kPerLane];
+    bool any = false;
+    int64_t j = slot;  // the list entry at or after the element's row (element rows increase with m)
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
+      const uint32_t offset = member + m * team.threads;
+      inside[m] = m < team.per_thread && start + offset < t.numel;
+      if (!inside[m]) continue;
+      const uint32_t x = first_column + offset;  // < d + block_size: no overflow for d <= INT32_MAX
+      const int64_t element_row = first_row + x / d32, e = start + offset;
       while (j < count && r.rows[j] < element_row) ++j;
-      if (j < count && r.rows[j] == element_row) g = ElementTraits<T>::load(row_grads[j * d + (e - element_row * d)]);
-    }
-    float s[4] = {};
-    float p = 0.0f;
-    if (inside) {
+      if (j < count && r.rows[j] == element_row) g[m] = ElementTraits<T>::load(row_grads[j * d + x % d32]);
 #pragma unroll
-      for (int j = 0; j < States; ++j)
-        s[j] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, j)), t.codes[j][e], t.absmax[j][b]);
-      p = ElementTraits<T>::load(param[e]);
+      for (int q = 0; q < States; ++q)
+        s[m][q] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, q)), t.codes[q][e], t.absmax[q][b]);
+      p[m] = ElementTraits<T>::load(param[e]);
+      if (skipped(o, g[m])) continue;
+      elementwise_rule<A, Math>(o, k, g[m], p[m], s[m]);
+      param[e] = ElementTraits<T>::store(p[m]);
+      any = true;
     }
-    const bool updated = inside && !skipped(o, g);
-    if (updated) {
-      elementwise_rule<A, Math>(o, k, g, p, s);
-      param[e] = ElementTraits<T>::store(p);
-    }
-    if (block_max(updated ? 1u : 0u, scratch) == 0) continue;  // an all-skipped block keeps codes and absmax
+    if (team_max(any ? 1u : 0u, team, scratch) == 0) continue;  // an all-skipped block keeps codes and absmax
 #pragma unroll
-    for (int j = 0; j < States; ++j) {
-      const bool is_signed = state_is_signed(o, j);
-      const float absmax = absmax_finish(bits_float(block_max(inside ? float_bits(absmax_key(s[j])) : 0u, scratch)));
-      if (inside)
-        t.codes[j][e] = quantize_value(kSharedMapsImage.words(is_signed), is_signed,
-                                       normalized_or_nan(s[j], block_scale(absmax)));
-      if (threadIdx.x == 0) t.absmax[j][b] = absmax;
+    for (int q = 0; q < States; ++q) {
+      const bool is_signed = state_is_signed(o, q);
+      float key = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kPerLane; ++m)
+        if (inside[m]) key = absmax_step(key, s[m][q]);
+      const float absmax = absmax_finish(bits_float(team_max(float_bits(key), team, scratch)));
+      const BlockScale scale = block_scale(absmax);
+#pragma unroll
+      for (int m = 0; m < kPerLane; ++m)
+        if (inside[m])
+          t.codes[q][start + member + m * team.threads] =
+              quantize_value(kSharedMapsImage.words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
+      if (member == 0) t.absmax[q][b] = absmax;
     }
   }
 }
@@ -228,17 +285,32 @@ void optim_detail::launch_sparse_valid_rows(const OptimStepArgs& a, const OptimT
 void optim_detail::launch_sparse_elementwise_step(const OptimStepArgs& a, const OptimTensor& tensor,
                                                   const OptimSparseGradient& g, const unsigned long long* valid_rows,
                                                   const double* schedule_weight, cudaStream_t stream) {
+  constexpr int kVec = ChunkPolicy::kVector;
   const SparseTarget t = target_of(tensor);
   const SparseRows r = rows_of(g);
   const LearningRate lr = learning_rate(a);
-  const int64_t blocks = grid_of((g.capacity * g.row_length + kThreads - 1) / kThreads);
+  const int param_bytes = static_cast<int>(dtype_size(a.param_dtype)), state_bytes = a.state_bits / 8;
+  bool wide = g.row_length % kVec == 0 && aligned(t.param, param_bytes * kVec) &&
+              aligned(g.row_grads, param_bytes * kVec);
+  for (int j = 0; j < kMaxOptimStates; ++j)
+    wide = wide && (t.state[j] == nullptr || aligned(t.state[j], state_bytes * kVec));
+  const int64_t per_thread = wide ? kVec : 1;
+  const int64_t blocks = grid_of((g.capacity * (g.row_length / per_thread) + kThreads - 1) / kThreads);
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
     with_state_count(a.options, [&](auto states) {
       constexpr int States = decltype(states)::value;
-      const auto kernel = a.state_bits == 16 ? &sparse_elementwise_kernel<T, States, 16>
-                                             : &sparse_elementwise_kernel<T, States, 32>;  // GS_LAUNCH: one token
-      GS_LAUNCH(kernel, blocks, kThreads, stream, a.options, lr, t, r, valid_rows, schedule_weight);
+      const auto launch = [&](auto kernel) {
+        GS_LAUNCH(kernel, blocks, kThreads, stream, a.options, lr, t, r, valid_rows, schedule_weight, wide);
+      };
+      const bool scheduled = schedule_weight != nullptr;  // (the dense kernels' split: elementwise.cu)
+      if (a.state_bits == 16) {
+        if (scheduled) launch(&sparse_elementwise_kernel<T, States, 16, true>);
+        else launch(&sparse_elementwise_kernel<T, States, 16, false>);
+      } else {
+        if (scheduled) launch(&sparse_elementwise_kernel<T, States, 32, true>);
+        else launch(&sparse_elementwise_kernel<T, States, 32, false>);
+      }
       GS_CUDA_CHECK_LAUNCH();
     });
   });
@@ -253,7 +325,9 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
   const OptimOptions& o = a.options;
   // A row of d elements touches at most ceil(d / block_size) + 1 blocks.
   const int64_t blocks_per_row = (g.row_length + a.block_size - 1) / a.block_size + 1;
-  const int64_t blocks = grid_of(g.capacity * blocks_per_row);
+  const QuantizedTeam team(a.block_size);
+  const int threads = team.block_threads();
+  const int64_t blocks = grid_of((g.capacity * blocks_per_row + threads / team.threads - 1) / (threads / team.threads));
   const int b = a.block_size;
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
@@ -265,7 +339,7 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
           // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
           const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
                                                                      : &sparse_quantized_kernel<T, States, A, ExactMath>;
-          GS_LAUNCH(kernel, blocks, b, stream, o, lr, t, r, valid_rows, b, blocks_per_row);
+          GS_LAUNCH(kernel, blocks, threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row);
           GS_CUDA_CHECK_LAUNCH();
         }
       });

@@ -16,7 +16,7 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-__device__ bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+__host__ __device__ inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // 16-, 8- or 4-byte vector accesses marked evict-first (__ldcs/__stcs): a step touches every byte once, so
 // keeping it in the caches only pushes out what later accesses need.

@@ -253,24 +253,32 @@ void sparse_step_emulated(const Problem& s, Table& t, const Rows& r, DeviceError
   optim_step_sparse_cuda(a, t.view(s), r.gradient(s), ws.data(), ws.size, nullptr);
 }
 
-// Every problem the table allows.
+// Every problem the table allows, in these shapes (rows, d, quantisation block).
 template <class F>
 void for_each_problem(F&& f) {
-  struct Shape { int64_t rows, d; };
+  struct Shape { int64_t rows, d; int block; };
   for (int algorithm = 0; algorithm < kOptimAlgorithmCount; ++algorithm)
     for (int bits : {32, 16, 8})
       for (DType dtype : {DType::Float32, DType::BFloat16})
-        for (Shape shape : {Shape{13, 24}, Shape{5, 64}}) {
+        for (Shape shape : {Shape{13, 24, 32}, Shape{5, 64, 32}, Shape{9, 100, 256}, Shape{40, 30, 1024},
+                            Shape{6, 7, 32}}) {
           Problem s;
           s.o = options_with_every_state(OptimAlgorithm(algorithm));
           if (bits == 8 && !quantizable(s.o.algorithm)) continue;
-          // Rows apart in their blocks: 8-bit states only (the block size means nothing to the others), fp32
-          // parameters only (emulated threads are costly; bf16 takes the straddling shape).
+          // Emulated threads are costly: each other shape where it matters, with fp32 parameters (bf16 takes the
+          // first shape, and the default block of 256 too). Rows apart in their blocks, blocks of a warp's 8
+          // elements per lane (256) and of a team of warps (1024): 8-bit states only (the block size means
+          // nothing to the others). Rows whose length is not a multiple of 4: one element per thread, fp32 and
+          // bf16 states.
           if (shape.d == 64 && (bits != 8 || dtype != DType::Float32)) continue;
+          if (shape.block == 256 && bits != 8) continue;
+          if (shape.block == 1024 && (bits != 8 || dtype != DType::Float32)) continue;
+          if (shape.d == 7 && (bits == 8 || dtype != DType::Float32)) continue;
           s.dtype = dtype;
           s.bits = bits;
           s.rows = shape.rows;
           s.d = shape.d;
+          s.block = shape.block;
           s.lr = s.o.algorithm == OptimAlgorithm::LARS ? 1.0f : 0.02f;
           f(s);
         }
@@ -355,8 +363,9 @@ TEST(SparseKernelsEmulated, EveryAlgorithmMatchesTheCpuAndTheDenseStep) {
       if (!vs_cpu.empty() || !vs_dense.empty()) return;  // the first difference of a problem says it all
     }
   });
-  // 32/16 bits: 2 dtypes, one shape; 8 bits (not Schedule-Free AdamW): 2 dtypes and fp32 on the second shape.
-  EXPECT_EQ(problems, 2 * 2 * kOptimAlgorithmCount + 3 * (kOptimAlgorithmCount - 1));
+  // 32/16 bits: 2 dtypes on the first shape, fp32 on the odd rows; 8 bits (not Schedule-Free AdamW): 2 dtypes on the
+  // first shape and on blocks of 256, fp32 on rows apart and on blocks of 1024.
+  EXPECT_EQ(problems, 2 * 3 * kOptimAlgorithmCount + 6 * (kOptimAlgorithmCount - 1));
 }
 
 // On a 13x24 table (13 rows).

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -39,16 +40,19 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
   return partner;
 }
 
-// A warp-wide unsigned max (REDUX): each thread publishes its value, all meet, each takes the max over its own
-// warp's 32 (every thread of the block calls it, as graphsafe's kernels do), all meet again.
+// A warp-wide unsigned max (REDUX): each thread publishes its value, the warp's threads meet (a barrier per warp,
+// so that warps may call it a different number of times, as on the GPU), each takes the max over its warp, the
+// warp meets again. Every thread of a warp calls it, as graphsafe's kernels do.
 inline unsigned emu_warp_values[1024];
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_warp_barriers;
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  std::barrier<>& warp = *emu_warp_barriers[threadIdx.x / 32];
   emu_warp_values[threadIdx.x] = v;
-  __syncthreads();
-  const unsigned first = threadIdx.x / 32 * 32;
+  warp.arrive_and_wait();
+  const unsigned first = threadIdx.x / 32 * 32, end = std::min(first + 32, blockDim.x);
   unsigned r = emu_warp_values[first];
-  for (unsigned i = first + 1; i < first + 32; ++i) r = r > emu_warp_values[i] ? r : emu_warp_values[i];
-  __syncthreads();
+  for (unsigned i = first + 1; i < end; ++i) r = r > emu_warp_values[i] ? r : emu_warp_values[i];
+  warp.arrive_and_wait();
   return r;
 }
 inline int __ffs(int x) { return __builtin_ffs(x); }
@@ -105,6 +109,9 @@ inline void emu_launch(int64_t grid, int threads, const std::function<void()>& k
   for (int64_t b = 0; b < grid; ++b) {
     std::barrier<> barrier(threads);
     emu_block_barrier = &barrier;
+    emu_warp_barriers.clear();
+    for (int first = 0; first < threads; first += 32)
+      emu_warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - first)));
     std::vector<std::thread> block;
     for (int t = 0; t < threads; ++t)
       block.emplace_back([&, b, t] {
