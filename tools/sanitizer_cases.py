@@ -5,7 +5,8 @@ Small on purpose: under racecheck every shared-memory access is checked, so a ke
 more time. The shapes cover: several blocks and a partial last block, unaligned (scalar-path) tensors, empty
 tensors, many tensors (several launches), every algorithm at 32/16/8-bit states with skip_zeros on and off,
 8-bit block sizes 32/256/1024, the embedding backward at fp32/bf16 with padding_idx, scale_grad_by_freq,
-duplicate-heavy and out-of-range indices, and the lookup. Exits 1 if a result is not finite where it must be.
+duplicate-heavy and out-of-range indices, and the lookup; the row-sparse backward and step (every algorithm and
+storage, rows of a multiple of 4 elements and not, rows sharing quantisation blocks). Exits 1 if a result is not finite where it must be.
 """
 
 from __future__ import annotations
@@ -109,9 +110,31 @@ def embedding_cases(failures: list[str]) -> int:
     return count + 1
 
 
+def sparse_cases(failures: list[str]) -> int:
+    generator = torch.Generator().manual_seed(2)
+    count = 0
+    for num_weights, dim in ((37, 24), (50, 7)):  # (packets of 4 elements; one element per thread)
+        indices = torch.randint(0, num_weights, (60,), generator=generator).to(DEVICE)
+        for dtype in (torch.float32, torch.bfloat16):
+            grad = torch.randn(60, dim, generator=generator).to(DEVICE, dtype)
+            rows, row_grads, n = graphsafe.ops.embedding_backward_sparse(grad, indices, num_weights, 0, True)
+            for name, options in ALGORITHMS.items():
+                for state_bits, block_size, _ in STORAGE:
+                    table = torch.nn.Parameter(torch.randn(num_weights, dim, generator=generator).to(DEVICE, dtype))
+                    optimizer = getattr(go, name)([table], lr=1e-3, skip_zeros=True, state_bits=state_bits,
+                                                  block_size=block_size, min_8bit_size=1, **options)
+                    for _ in range(2):
+                        go.sparse_step(optimizer, table, rows, row_grads, n)
+                    if not torch.isfinite(table).all():
+                        failures.append(f"sparse_step {name} {dtype} {num_weights}x{dim} {state_bits}-bit block "
+                                        f"{block_size}")
+                    count += 1
+    return count
+
+
 def main() -> int:
     failures: list[str] = []
-    count = optimizer_cases(failures) + embedding_cases(failures)
+    count = optimizer_cases(failures) + embedding_cases(failures) + sparse_cases(failures)
     graphsafe.check_errors()
     print(f"sanitizer cases: {count} ran, {len(failures)} failed")
     for failure in failures:
