@@ -197,6 +197,8 @@ __global__ void __launch_bounds__(kThreads)
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
   __shared__ uint32_t scratch[kThreads / 32];
+  // The maps in shared memory, as the dense 8-bit kernels keep them: the lanes read them at 32 different places.
+  const SharedMaps* maps = load_maps_to_shared_by_any_block();
   share_sparse_coefficients(o, rate, t, nullptr, k);
   const QuantizedTeam team(block_size);
   const int teams_per_block = blockDim.x / team.threads, member = threadIdx.x % team.threads;
@@ -213,9 +215,12 @@ __global__ void __launch_bounds__(kThreads)
     if (slot > 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // the previous entry's block
     const int64_t start = b * block_size, first_row = start / d;
     const uint32_t first_column = static_cast<uint32_t>(start - first_row * d);
-    float g[kPerLane], p[kPerLane], s[kPerLane][4];
+    // Every load of the block first, then the updates: a store to param between them would keep the compiler
+    // from issuing the next element's loads ahead of it (the codes may alias anything), one trip to memory each.
+    float g[kPerLane], p[kPerLane], s[kPerLane][4], absmax_before[4] = {};
     bool inside[kPerLane];
-    bool any = false;
+#pragma unroll
+    for (int q = 0; q < States; ++q) absmax_before[q] = t.absmax[q][b];
     int64_t j = slot;  // the list entry at or after the element's row (element rows increase with m)
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
@@ -229,11 +234,15 @@ __global__ void __launch_bounds__(kThreads)
       if (j < count && r.rows[j] == element_row) g[m] = ElementTraits<T>::load(row_grads[j * d + x % d32]);
 #pragma unroll
       for (int q = 0; q < States; ++q)
-        s[m][q] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, q)), t.codes[q][e], t.absmax[q][b]);
+        s[m][q] = dequantize_value(maps->value(state_is_signed(o, q)), t.codes[q][e], absmax_before[q]);
       p[m] = ElementTraits<T>::load(param[e]);
-      if (skipped(o, g[m])) continue;
+    }
+    bool any = false;
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m) {
+      if (!inside[m] || skipped(o, g[m])) continue;
       elementwise_rule<A, Math>(o, k, g[m], p[m], s[m]);
-      param[e] = ElementTraits<T>::store(p[m]);
+      param[start + member + m * team.threads] = ElementTraits<T>::store(p[m]);
       any = true;
     }
     if (team_max(any ? 1u : 0u, team, scratch) == 0) continue;  // an all-skipped block keeps codes and absmax
@@ -250,7 +259,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int m = 0; m < kPerLane; ++m)
         if (inside[m])
           t.codes[q][start + member + m * team.threads] =
-              quantize_value(kSharedMapsImage.words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
+              quantize_value(maps->words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
       if (member == 0) t.absmax[q][b] = absmax;
     }
   }
