@@ -4,6 +4,7 @@
 // scatter of the rows into a dense gradient for LAMB and LARS. Each applies the rule the dense kernels apply
 // (rules.h), with the same coefficients and, for 8-bit states, the same Math and quantiser, so the bits are the
 // dense step's. Grids are sized from the capacity; threads past the device-side count exit.
+#include <algorithm>
 #include <cstdint>
 
 #include "common/cuda_check.h"
@@ -335,8 +336,8 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
   // A row of d elements touches at most ceil(d / block_size) + 1 blocks.
   const int64_t blocks_per_row = (g.row_length + a.block_size - 1) / a.block_size + 1;
   const QuantizedTeam team(a.block_size);
-  const int threads = team.block_threads();
-  const int64_t blocks = grid_of((g.capacity * blocks_per_row + threads / team.threads - 1) / (threads / team.threads));
+  const int threads = team.block_threads(), teams_per_block = threads / team.threads;
+  const int64_t work_blocks = std::max<int64_t>(1, (g.capacity * blocks_per_row + teams_per_block - 1) / teams_per_block);
   const int b = a.block_size;
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
@@ -348,7 +349,10 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
           // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
           const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
                                                                      : &sparse_quantized_kernel<T, States, A, ExactMath>;
-          GS_LAUNCH(kernel, blocks, threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row);
+          // As many blocks as the GPU holds at once (each copies the maps, tens of KB, once), looping over the
+          // work items.
+          GS_LAUNCH(kernel, grid_for(kernel, work_blocks, threads), threads, stream, o, lr, t, r, valid_rows, b,
+                    blocks_per_row);
           GS_CUDA_CHECK_LAUNCH();
         }
       });
