@@ -184,6 +184,29 @@ __device__ uint32_t team_max(uint32_t v, const QuantizedTeam& team, uint32_t* sc
   return v;
 }
 
+// The list entries of a quantisation block's rows for one warp: lane l holds entry slot + l (past the count: a row
+// above every row). They cover the block when the 32nd entry's row lies past the block's last row (or there is
+// none), nearly always (rows of 8 or more elements); then find() looks an element's row up by a binary search over
+// the lanes with shuffles, without a load or a loop per element. Every lane of the warp calls both.
+struct EntryWindow {
+  int64_t mine;
+  bool covers;  // the same on every lane
+
+  __device__ EntryWindow(const SparseRows& r, int64_t slot, int64_t count, int64_t last_row) {
+    const int64_t k = slot + threadIdx.x % 32;
+    mine = k < count ? r.rows[k] : INT64_MAX;
+    covers = __shfl_sync(0xffffffffu, mine, 31) > last_row;
+  }
+  // The offset from slot of the entry of `row`, or -1 if the list does not hold it.
+  __device__ int find(int64_t row) const {
+    int below = 0;  // entries below row among the first `below + step` ones
+#pragma unroll
+    for (int step = 16; step > 0; step /= 2)
+      if (__shfl_sync(0xffffffffu, mine, below + step - 1) < row) below += step;
+    return __shfl_sync(0xffffffffu, mine, below) == row ? below : -1;
+  }
+};
+
 // Work item (k, i): block i of those row k's elements touch; a block that the previous listed row touches too is
 // that row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the
 // dense step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the
@@ -222,17 +245,31 @@ __global__ void __launch_bounds__(kThreads)
     bool inside[kPerLane];
 #pragma unroll
     for (int q = 0; q < States; ++q) absmax_before[q] = t.absmax[q][b];
-    int64_t j = slot;  // the list entry at or after the element's row (element rows increase with m)
+    // Element m of this thread: `offset` in the block, in row element_row at `column`, kept without a division
+    // per element. Its gradient: the window's entry, or (rows of a few elements) a walk along the list.
+    const EntryWindow window(r, slot, count, (start + block_size - 1) / d);
+    int64_t walk = slot, element_row = first_row;
+    uint32_t column = first_column + member;  // < d + 128: no overflow for d <= INT32_MAX
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
+      if (m > 0) column += team.threads;
+      if (column >= d32) {
+        element_row += column / d32;
+        column %= d32;
+      }
+      const int64_t e = start + member + m * team.threads;
+      inside[m] = m < team.per_thread && e < t.numel;
+      int64_t entry = -1;
+      if (window.covers) {  // (the same on the whole warp)
+        const int found = window.find(element_row);
+        entry = found < 0 ? -1 : slot + found;
+      } else if (inside[m]) {
+        while (walk < count && r.rows[walk] < element_row) ++walk;
+        if (walk < count && r.rows[walk] == element_row) entry = walk;
+      }
       g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
-      const uint32_t offset = member + m * team.threads;
-      inside[m] = m < team.per_thread && start + offset < t.numel;
       if (!inside[m]) continue;
-      const uint32_t x = first_column + offset;  // < d + block_size: no overflow for d <= INT32_MAX
-      const int64_t element_row = first_row + x / d32, e = start + offset;
-      while (j < count && r.rows[j] < element_row) ++j;
-      if (j < count && r.rows[j] == element_row) g[m] = ElementTraits<T>::load(row_grads[j * d + x % d32]);
+      if (entry >= 0) g[m] = ElementTraits<T>::load(row_grads[entry * d + column]);
 #pragma unroll
       for (int q = 0; q < States; ++q)
         s[m][q] = dequantize_value(maps->value(state_is_signed(o, q)), t.codes[q][e], absmax_before[q]);
