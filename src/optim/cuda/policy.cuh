@@ -102,9 +102,9 @@ struct UtilityPolicy {
   static constexpr int kMaxSchedules = 128;
 };
 
-// The row-sparse step's kernels (sparse.cu): kThreads threads per block (the 8-bit kernel: teams of warps, see
-// there); grids are capped at kMaxBlocks blocks, which loop over the rest (a capacity's grid is mostly blocks that
-// exit: rows past the device-side count), the 8-bit kernel's at residency (its blocks copy the maps).
+// The row-sparse step's kernels (sparse.cu): element-wise and scatter kernels of kThreads threads; every kernel's
+// grid is capped at kMaxBlocks blocks, which loop over the rest (a capacity's grid is mostly blocks that exit:
+// rows past the device-side count).
 struct SparsePolicy {
   static constexpr int kThreads = 256;
   static constexpr int64_t kMaxBlocks = 4096;

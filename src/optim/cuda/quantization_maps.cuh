@@ -62,17 +62,5 @@ __device__ const SharedMaps* load_maps_to_shared() {
   return &maps;
 }
 
-// The same copy by a block of any size (blockDim.x threads, all of them calling it).
-__device__ const SharedMaps* load_maps_to_shared_by_any_block() {
-  __shared__ SharedMaps maps;
-  using Piece = Pack<uint32_t, 4>;
-  constexpr int kPieces = int(sizeof(SharedMaps) / sizeof(Piece));
-  const Piece* from = reinterpret_cast<const Piece*>(&kSharedMapsImage);
-  Piece* to = reinterpret_cast<Piece*>(&maps);
-  for (int k = threadIdx.x; k < kPieces; k += blockDim.x) to[k] = from[k];
-  __syncthreads();
-  return &maps;
-}
-
 }  // namespace
 }  // namespace graphsafe

@@ -4,7 +4,6 @@
 // scatter of the rows into a dense gradient for LAMB and LARS. Each applies the rule the dense kernels apply
 // (rules.h), with the same coefficients and, for 8-bit states, the same Math and quantiser, so the bits are the
 // dense step's. Grids are sized from the capacity; threads past the device-side count exit.
-#include <algorithm>
 #include <cstdint>
 
 #include "common/cuda_check.h"
@@ -184,29 +183,6 @@ __device__ uint32_t team_max(uint32_t v, const QuantizedTeam& team, uint32_t* sc
   return v;
 }
 
-// The list entries of a quantisation block's rows for one warp: lane l holds entry slot + l (past the count: a row
-// above every row). They cover the block when the 32nd entry's row lies past the block's last row (or there is
-// none), nearly always (rows of 8 or more elements); then find() looks an element's row up by a binary search over
-// the lanes with shuffles, without a load or a loop per element. Every lane of the warp calls both.
-struct EntryWindow {
-  int64_t mine;
-  bool covers;  // the same on every lane
-
-  __device__ EntryWindow(const SparseRows& r, int64_t slot, int64_t count, int64_t last_row) {
-    const int64_t k = slot + threadIdx.x % 32;
-    mine = k < count ? r.rows[k] : INT64_MAX;
-    covers = __shfl_sync(0xffffffffu, mine, 31) > last_row;
-  }
-  // The offset from slot of the entry of `row`, or -1 if the list does not hold it.
-  __device__ int find(int64_t row) const {
-    int below = 0;  // entries below row among the first `below + step` ones
-#pragma unroll
-    for (int step = 16; step > 0; step /= 2)
-      if (__shfl_sync(0xffffffffu, mine, below + step - 1) < row) below += step;
-    return __shfl_sync(0xffffffffu, mine, below) == row ? below : -1;
-  }
-};
-
 // Work item (k, i): block i of those row k's elements touch; a block that the previous listed row touches too is
 // that row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the
 // dense step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the
@@ -221,8 +197,6 @@ __global__ void __launch_bounds__(kThreads)
   if (!learning_rate_usable(lr, rate)) return;
   __shared__ Coefficients k;
   __shared__ uint32_t scratch[kThreads / 32];
-  // The maps in shared memory, as the dense 8-bit kernels keep them: the lanes read them at 32 different places.
-  const SharedMaps* maps = load_maps_to_shared_by_any_block();
   share_sparse_coefficients(o, rate, t, nullptr, k);
   const QuantizedTeam team(block_size);
   const int teams_per_block = blockDim.x / team.threads, member = threadIdx.x % team.threads;
@@ -239,48 +213,27 @@ __global__ void __launch_bounds__(kThreads)
     if (slot > 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // the previous entry's block
     const int64_t start = b * block_size, first_row = start / d;
     const uint32_t first_column = static_cast<uint32_t>(start - first_row * d);
-    // Every load of the block first, then the updates: a store to param between them would keep the compiler
-    // from issuing the next element's loads ahead of it (the codes may alias anything), one trip to memory each.
-    float g[kPerLane], p[kPerLane], s[kPerLane][4], absmax_before[4] = {};
+    float g[kPerLane], p[kPerLane], s[kPerLane][4];
     bool inside[kPerLane];
-#pragma unroll
-    for (int q = 0; q < States; ++q) absmax_before[q] = t.absmax[q][b];
-    // Element m of this thread: `offset` in the block, in row element_row at `column`, kept without a division
-    // per element. Its gradient: the window's entry, or (rows of a few elements) a walk along the list.
-    const EntryWindow window(r, slot, count, (start + block_size - 1) / d);
-    int64_t walk = slot, element_row = first_row;
-    uint32_t column = first_column + member;  // < d + 128: no overflow for d <= INT32_MAX
+    bool any = false;
+    int64_t j = slot;  // the list entry at or after the element's row (element rows increase with m)
 #pragma unroll
     for (int m = 0; m < kPerLane; ++m) {
-      if (m > 0) column += team.threads;
-      if (column >= d32) {
-        element_row += column / d32;
-        column %= d32;
-      }
-      const int64_t e = start + member + m * team.threads;
-      inside[m] = m < team.per_thread && e < t.numel;
-      int64_t entry = -1;
-      if (window.covers) {  // (the same on the whole warp)
-        const int found = window.find(element_row);
-        entry = found < 0 ? -1 : slot + found;
-      } else if (inside[m]) {
-        while (walk < count && r.rows[walk] < element_row) ++walk;
-        if (walk < count && r.rows[walk] == element_row) entry = walk;
-      }
       g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
+      const uint32_t offset = member + m * team.threads;
+      inside[m] = m < team.per_thread && start + offset < t.numel;
       if (!inside[m]) continue;
-      if (entry >= 0) g[m] = ElementTraits<T>::load(row_grads[entry * d + column]);
+      const uint32_t x = first_column + offset;  // < d + block_size: no overflow for d <= INT32_MAX
+      const int64_t element_row = first_row + x / d32, e = start + offset;
+      while (j < count && r.rows[j] < element_row) ++j;
+      if (j < count && r.rows[j] == element_row) g[m] = ElementTraits<T>::load(row_grads[j * d + x % d32]);
 #pragma unroll
       for (int q = 0; q < States; ++q)
-        s[m][q] = dequantize_value(maps->value(state_is_signed(o, q)), t.codes[q][e], absmax_before[q]);
+        s[m][q] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, q)), t.codes[q][e], t.absmax[q][b]);
       p[m] = ElementTraits<T>::load(param[e]);
-    }
-    bool any = false;
-#pragma unroll
-    for (int m = 0; m < kPerLane; ++m) {
-      if (!inside[m] || skipped(o, g[m])) continue;
+      if (skipped(o, g[m])) continue;
       elementwise_rule<A, Math>(o, k, g[m], p[m], s[m]);
-      param[start + member + m * team.threads] = ElementTraits<T>::store(p[m]);
+      param[e] = ElementTraits<T>::store(p[m]);
       any = true;
     }
     if (team_max(any ? 1u : 0u, team, scratch) == 0) continue;  // an all-skipped block keeps codes and absmax
@@ -297,7 +250,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int m = 0; m < kPerLane; ++m)
         if (inside[m])
           t.codes[q][start + member + m * team.threads] =
-              quantize_value(maps->words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
+              quantize_value(kSharedMapsImage.words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
       if (member == 0) t.absmax[q][b] = absmax;
     }
   }
@@ -373,8 +326,8 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
   // A row of d elements touches at most ceil(d / block_size) + 1 blocks.
   const int64_t blocks_per_row = (g.row_length + a.block_size - 1) / a.block_size + 1;
   const QuantizedTeam team(a.block_size);
-  const int threads = team.block_threads(), teams_per_block = threads / team.threads;
-  const int64_t work_blocks = std::max<int64_t>(1, (g.capacity * blocks_per_row + teams_per_block - 1) / teams_per_block);
+  const int threads = team.block_threads();
+  const int64_t blocks = grid_of((g.capacity * blocks_per_row + threads / team.threads - 1) / (threads / team.threads));
   const int b = a.block_size;
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
@@ -386,10 +339,7 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
           // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
           const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
                                                                      : &sparse_quantized_kernel<T, States, A, ExactMath>;
-          // As many blocks as the GPU holds at once (each copies the maps, tens of KB, once), looping over the
-          // work items.
-          GS_LAUNCH(kernel, grid_for(kernel, work_blocks, threads), threads, stream, o, lr, t, r, valid_rows, b,
-                    blocks_per_row);
+          GS_LAUNCH(kernel, blocks, threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row);
           GS_CUDA_CHECK_LAUNCH();
         }
       });

@@ -55,19 +55,6 @@ inline unsigned __reduce_max_sync(unsigned, unsigned v) {
   warp.arrive_and_wait();
   return r;
 }
-// A warp shuffle from lane src of the caller's warp (values up to 8 bytes), with the warp's barrier as above.
-inline uint64_t emu_warp_words[1024];
-template <class T>
-inline T __shfl_sync(unsigned, T v, int src) {
-  static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffle moves up to 8 bytes");
-  std::barrier<>& warp = *emu_warp_barriers[threadIdx.x / 32];
-  std::memcpy(&emu_warp_words[threadIdx.x], &v, sizeof(T));
-  warp.arrive_and_wait();
-  T r;
-  std::memcpy(&r, &emu_warp_words[threadIdx.x / 32 * 32 + static_cast<unsigned>(src) % 32], sizeof(T));
-  warp.arrive_and_wait();
-  return r;
-}
 inline int __ffs(int x) { return __builtin_ffs(x); }
 // Blocks run one after another, and only one thread of a block counts (finish_steps): a plain add will do.
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
