@@ -191,14 +191,15 @@ GS_HD float abs_f(float x) {
 #endif
 }
 
-// x clamped to [low, high], and a quiet NaN (what arithmetic makes) to low: fmax returns its number when the
-// other operand is a quiet NaN, on both backends (the host's returns NaN for a signalling one). One instruction
-// each way on the GPU.
+// x clamped to [low, high] (low > 0), and a quiet NaN (what arithmetic makes) to low. On the GPU fmax returns its
+// number when the other operand is a quiet NaN: one instruction each way. On the host, comparisons give the same
+// (any NaN to low) in a form the compiler vectorises (std::fmax and std::fmin are library calls there).
 GS_HD float clamp_f(float x, float low, float high) {
 #if defined(__CUDA_ARCH__)
   return fminf(fmaxf(x, low), high);
 #else
-  return std::fmin(std::fmax(x, low), high);
+  const float above = x > low ? x : low;
+  return above < high ? above : high;
 #endif
 }
 

@@ -2,9 +2,14 @@
 // elements, or over the tensors of a step of many small ones.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "graphsafe/optim.h"
 #include "optim/backend.h"
@@ -35,6 +40,25 @@ void for_each_index(int64_t n, int64_t numel, Body body) {
   }
 }
 
+// Runs body(begin, end) over [0, n) in contiguous ranges: one per OpenMP thread (static split) for a tensor of
+// numel >= kParallelMinElements, else the whole range on this thread.
+template <class Body>
+void for_each_range(int64_t n, int64_t numel, Body body) {
+#if defined(_OPENMP)
+  if (numel >= kParallelMinElements) {
+#pragma omp parallel
+    {
+      const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+      const int64_t share = n / threads, extra = n % threads;
+      const int64_t begin = thread * share + std::min(thread, extra);
+      body(begin, begin + share + (thread < extra ? 1 : 0));
+    }
+    return;
+  }
+#endif
+  body(int64_t(0), n);
+}
+
 // One tensor's elements with States states stored as S (fp32, or bf16 for 16-bit states); States is the
 // algorithm's state count, fixed at compile time so the loops over states unroll and the element loop can
 // vectorise.
@@ -49,60 +73,127 @@ struct ElementView {
   }
 };
 
-// Applies rule(g, p, s) to every element whose gradient is not skipped. The rule runs on every element and
-// skipped ones get their loaded values back (the same bits): a loop without branches vectorises.
+// Applies rule(o, k, g, p, s) to every element whose gradient is not skipped, in tiles of kTile elements with three
+// loops each, so that the compiler vectorises them: which elements are skipped; the rule on every element (their
+// loaded bits kept); then each element's new values or, if skipped, its loaded bits (a skipped NaN parameter or
+// 16-bit state keeps its exact payload). In one loop it did not vectorise: the compiler turns a select of the value
+// just loaded from the same place into a conditional store, and the test of the gradient into branches. Each
+// range works on its own copies of the options and coefficients: read through references, a store to a parameter
+// or state might change them (as far as the compiler knows).
+constexpr int kTile = 256;
+
+// The element loops are compiled for AVX-512 and AVX2 as well as the baseline, chosen on the running CPU when the
+// library loads (GCC/Clang function clones); the same operations in wider registers, so the same bits.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GS_CPU_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GS_CPU_VECTOR_CLONES
+#endif
+
 template <class T, class S, int States, class Rule>
-void update_elements(const OptimOptions& o, const ElementView<T, S, States>& e, Rule rule) {
+GS_CPU_VECTOR_CLONES void update_range(const OptimOptions& o, const Coefficients& k, const ElementView<T, S, States>& e,
+                                       Rule rule, int64_t begin, int64_t end) {
+  constexpr int kSlots = States > 0 ? States : 1;
+  const OptimOptions options = o;
+  const Coefficients coefficients = k;
   T* const param = static_cast<T*>(e.t.param);
-  for_each_index(e.t.numel, e.t.numel, [&](int64_t i) {
-    const float g = e.grad(i);
-    // Kept as raw bits: a skipped NaN parameter or 16-bit state keeps its exact payload.
-    const T p_before = param[i];
-    S s_before[4] = {};
-    float p = ElementTraits<T>::load(p_before), s[4] = {};
-    for (int j = 0; j < States; ++j) {
-      s_before[j] = e.state(j)[i];
-      s[j] = ElementTraits<S>::load(s_before[j]);
+  const T* const grad = static_cast<const T*>(e.t.grad);
+  S* state[kSlots] = {};
+  for (int j = 0; j < States; ++j) state[j] = e.state(j);
+  int32_t keep[kTile];
+  T p_before[kTile], p_after[kTile];
+  S s_before[kSlots][kTile], s_after[kSlots][kTile];
+  for (int64_t tile = begin; tile < end; tile += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, end - tile));
+    for (int i = 0; i < n; ++i) keep[i] = skipped(options, ElementTraits<T>::load(grad[tile + i])) ? 1 : 0;
+    for (int i = 0; i < n; ++i) {
+      p_before[i] = param[tile + i];
+      float p = ElementTraits<T>::load(p_before[i]), s[4] = {};
+      for (int j = 0; j < States; ++j) {
+        s_before[j][i] = state[j][tile + i];
+        s[j] = ElementTraits<S>::load(s_before[j][i]);
+      }
+      rule(options, coefficients, ElementTraits<T>::load(grad[tile + i]), p, s);
+      p_after[i] = ElementTraits<T>::store(p);
+      for (int j = 0; j < States; ++j) s_after[j][i] = ElementTraits<S>::store(s[j]);
     }
-    rule(g, p, s);
-    const bool keep = skipped(o, g);
-    param[i] = keep ? p_before : ElementTraits<T>::store(p);
-    for (int j = 0; j < States; ++j) e.state(j)[i] = keep ? s_before[j] : ElementTraits<S>::store(s[j]);
-  });
+    for (int i = 0; i < n; ++i) {
+      param[tile + i] = keep[i] ? p_before[i] : p_after[i];
+      for (int j = 0; j < States; ++j) state[j][tile + i] = keep[i] ? s_before[j][i] : s_after[j][i];
+    }
+  }
+}
+
+template <class T, class S, int States, class Rule>
+void update_elements(const OptimOptions& o, const Coefficients& k, const ElementView<T, S, States>& e, Rule rule) {
+  for_each_range(e.t.numel, e.t.numel, [&](int64_t begin, int64_t end) { update_range(o, k, e, rule, begin, end); });
 }
 
 // ---- 8-bit states: one quantisation block at a time ----
 
-// Runs rule(g, p, s) on the elements of quantisation block `b` with the block's states dequantised; rule
-// returns false for a skipped element (which must leave p and s as they were). With Writes, the parameter
-// of every updated element is stored and, if any element was updated, the block's states are requantised
-// (new absmax, new codes): an all-skipped block keeps its codes and absmax bit-identical.
-template <class T, int States, bool Writes, class Rule>
-void step_quantized_block(const OptimOptions& o, const OptimTensor& t, int block_size, int64_t b, Rule rule) {
+// Calls visit(g, p, s) on the elements of quantisation block `b` in order, with the block's states dequantised;
+// writes nothing (LAMB/LARS measuring pass).
+template <class T, int States, class Visit>
+void visit_quantized_block(const OptimOptions& o, const OptimTensor& t, int block_size, int64_t b, Visit visit) {
   const int64_t begin = b * block_size, end = std::min(t.numel, begin + block_size);
   float values[4][1024];
-  bool any_updated = false;
   for (int j = 0; j < States; ++j) {
     const QuantizationMap& map = host_quantization_map(state_is_signed(o, j));
     const float scale = t.absmax[j][b];
     for (int64_t i = begin; i < end; ++i) values[j][i - begin] = dequantize_value(map, t.codes[j][i], scale);
   }
-  T* const param = static_cast<T*>(t.param);
+  const T* const param = static_cast<const T*>(t.param);
   const T* const grad = static_cast<const T*>(t.grad);
   for (int64_t i = begin; i < end; ++i) {
     float s[4] = {};
     for (int j = 0; j < States; ++j) s[j] = values[j][i - begin];
-    float p = ElementTraits<T>::load(param[i]);
-    if (!rule(ElementTraits<T>::load(grad[i]), p, s) || !Writes) continue;
-    any_updated = true;
-    param[i] = ElementTraits<T>::store(p);
-    for (int j = 0; j < States; ++j) values[j][i - begin] = s[j];
+    visit(ElementTraits<T>::load(grad[i]), ElementTraits<T>::load(param[i]), s);
   }
-  if (!Writes || !any_updated) return;
+}
+
+// The writing pass over quantisation block `b` for an element-wise rule(o, k, g, p, s), in loops the compiler
+// vectorises (as update_range's): the states dequantised; which elements are skipped; the rule on every element;
+// each element's new values or, if skipped, its old ones; then, if any element was updated, the states
+// requantised (new absmax, new codes). An all-skipped block keeps its codes and absmax bit-identical.
+template <class T, int States, class Rule>
+GS_CPU_VECTOR_CLONES void update_quantized_block(const OptimOptions& o, const Coefficients& k, const OptimTensor& t,
+                                                 int block_size, int64_t b, Rule rule) {
+  const OptimOptions options = o;
+  const Coefficients coefficients = k;
+  const int64_t begin = b * block_size;
+  const int n = static_cast<int>(std::min<int64_t>(t.numel - begin, block_size));
+  T* const param = static_cast<T*>(t.param) + begin;
+  const T* const grad = static_cast<const T*>(t.grad) + begin;
+  float values[4][1024], updated[4][1024];
+  int32_t keep[1024];
+  T p_after[1024];
   for (int j = 0; j < States; ++j) {
-    const bool is_signed = state_is_signed(o, j);
-    t.absmax[j][b] = quantize_block(host_quantization_map(is_signed).code_word, is_signed, values[j], end - begin,
-                                    t.codes[j] + begin);
+    const float* map = host_quantization_map(state_is_signed(options, j)).value;
+    const float scale = t.absmax[j][b];
+    const uint8_t* codes = t.codes[j] + begin;
+    for (int i = 0; i < n; ++i) values[j][i] = dequantize_value(map, codes[i], scale);
+  }
+  int32_t skipped_count = 0;
+  for (int i = 0; i < n; ++i) {
+    keep[i] = skipped(options, ElementTraits<T>::load(grad[i])) ? 1 : 0;
+    skipped_count += keep[i];
+  }
+  if (skipped_count == n) return;  // all skipped: codes and absmax stay bit-identical
+  for (int i = 0; i < n; ++i) {
+    float p = ElementTraits<T>::load(param[i]), s[4] = {};
+    for (int j = 0; j < States; ++j) s[j] = values[j][i];
+    rule(options, coefficients, ElementTraits<T>::load(grad[i]), p, s);
+    p_after[i] = ElementTraits<T>::store(p);
+    for (int j = 0; j < States; ++j) updated[j][i] = s[j];
+  }
+  for (int i = 0; i < n; ++i) {
+    param[i] = keep[i] ? param[i] : p_after[i];
+    for (int j = 0; j < States; ++j) values[j][i] = keep[i] ? values[j][i] : updated[j][i];
+  }
+  for (int j = 0; j < States; ++j) {
+    const bool is_signed = state_is_signed(options, j);
+    t.absmax[j][b] =
+        quantize_block(host_quantization_map(is_signed).code_word, is_signed, values[j], n, t.codes[j] + begin);
   }
 }
 
@@ -115,20 +206,16 @@ void with_element_view(const OptimStepArgs& a, const OptimTensor& t, F f) {
   else f(ElementView<T, float, States>{t});
 }
 
-// Updates every element of the tensor whose gradient is not skipped with rule(g, p, s).
+// Updates every element of the tensor whose gradient is not skipped with rule(o, k, g, p, s).
 template <class T, int States, class Rule>
-void update_tensor(const OptimOptions& o, const OptimTensor& t, const OptimStepArgs& a, Rule rule) {
+void update_tensor(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
+                   Rule rule) {
   if (a.state_bits == 8) {
-    for_each_index(block_count(t.numel, a.block_size), t.numel, [&](int64_t b) {
-      step_quantized_block<T, States, true>(o, t, a.block_size, b, [&](float g, float& p, float* s) {
-        if (skipped(o, g)) return false;
-        rule(g, p, s);
-        return true;
-      });
-    });
+    for_each_index(block_count(t.numel, a.block_size), t.numel,
+                   [&](int64_t b) { update_quantized_block<T, States>(o, k, t, a.block_size, b, rule); });
     return;
   }
-  with_element_view<T, States>(a, t, [&](const auto& e) { update_elements(o, e, rule); });
+  with_element_view<T, States>(a, t, [&](const auto& e) { update_elements(o, k, e, rule); });
 }
 
 // Calls visit(offset, g, p, s) for the elements of [begin, end) (a chunk: whole quantisation blocks) in
@@ -139,10 +226,8 @@ void visit_chunk(const OptimOptions& o, const OptimTensor& t, const OptimStepArg
   if (a.state_bits == 8) {
     int64_t offset = 0;
     for (int64_t b = begin / a.block_size; b * a.block_size < end; ++b)
-      step_quantized_block<T, States, false>(o, t, a.block_size, b, [&](float g, float& p, float* s) {
-        visit(offset++, g, p, s);
-        return false;
-      });
+      visit_quantized_block<T, States>(o, t, a.block_size, b,
+                                       [&](float g, float p, const float* s) { visit(offset++, g, p, s); });
     return;
   }
   with_element_view<T, States>(a, t, [&](const auto& e) {
@@ -159,7 +244,8 @@ template <class T, int States>
 void elementwise(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a) {
   with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
     constexpr OptimAlgorithm A = decltype(algorithm)::value;
-    update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { elementwise_rule<A>(o, k, g, p, s); });
+    update_tensor<T, States>(o, k, t, a, [](const OptimOptions& o, const Coefficients& k, float g, float& p,
+                                            float* s) { elementwise_rule<A>(o, k, g, p, s); });
   });
 }
 
@@ -194,7 +280,9 @@ void layerwise_tensor(const OptimOptions& o, const Coefficients& k, const OptimT
   const SquaredNorms total =
       given != nullptr ? SquaredNorms{given[0], given[1]} : measure_tensor<T, States, A>(o, k, t, a, chunk_norms);
   const float f = *factor = layerwise_factor(o, k, total);
-  update_tensor<T, States>(o, t, a, [&](float g, float& p, float* s) { layerwise_apply<A>(o, k, f, g, p, s); });
+  update_tensor<T, States>(o, k, t, a, [f](const OptimOptions& o, const Coefficients& k, float g, float& p, float* s) {
+    layerwise_apply<A>(o, k, f, g, p, s);
+  });
 }
 
 template <class T, int States>
