@@ -73,15 +73,6 @@ struct ElementView {
   }
 };
 
-// Applies rule(o, k, g, p, s) to every element whose gradient is not skipped, in tiles of kTile elements with three
-// loops each, so that the compiler vectorises them: which elements are skipped; the rule on every element (their
-// loaded bits kept); then each element's new values or, if skipped, its loaded bits (a skipped NaN parameter or
-// 16-bit state keeps its exact payload). In one loop it did not vectorise: the compiler turns a select of the value
-// just loaded from the same place into a conditional store, and the test of the gradient into branches. Each
-// range works on its own copies of the options and coefficients: read through references, a store to a parameter
-// or state might change them (as far as the compiler knows).
-constexpr int kTile = 256;
-
 // The element loops are compiled for AVX-512 and AVX2 as well as the baseline, chosen on the running CPU when the
 // library loads (GCC/Clang function clones); the same operations in wider registers, so the same bits.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -90,6 +81,15 @@ constexpr int kTile = 256;
 #define GS_CPU_VECTOR_CLONES
 #endif
 
+constexpr int kTile = 256;
+
+// Applies rule(o, k, g, p, s) to every element whose gradient is not skipped, in tiles of kTile elements with three
+// loops each, so that the compiler vectorises them: which elements are skipped; the rule on every element (their
+// loaded bits kept); then each element's new values or, if skipped, its loaded bits (a skipped NaN parameter or
+// 16-bit state keeps its exact payload). In one loop it did not vectorise: the compiler turns a select of the value
+// just loaded from the same place into a conditional store, and the test of the gradient into branches. Each
+// range works on its own copies of the options and coefficients: read through references, a store to a parameter
+// or state might change them (as far as the compiler knows).
 template <class T, class S, int States, class Rule>
 GS_CPU_VECTOR_CLONES void update_range(const OptimOptions& o, const Coefficients& k, const ElementView<T, S, States>& e,
                                        Rule rule, int64_t begin, int64_t end) {
