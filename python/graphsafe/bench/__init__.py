@@ -10,6 +10,7 @@ from . import optim  # noqa: F401,E402 - registers the "optim" suite
 from . import train  # noqa: F401,E402 - registers the "train" suite
 from . import distributed  # noqa: F401,E402 - registers the "dist" suite
 from . import sparse  # noqa: F401,E402 - registers the "sparse" suite
+from . import cpu  # noqa: F401,E402 - registers the "cpu" suite
 
 __all__ = ["BenchContext", "BenchOptions", "Suite", "Target", "register_suite", "run_bench", "suites", "run_demo"]
 
