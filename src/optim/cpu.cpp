@@ -74,8 +74,9 @@ struct ElementView {
 };
 
 // The element loops are compiled for AVX-512 and AVX2 as well as the baseline, chosen on the running CPU when the
-// library loads (GCC/Clang function clones); the same operations in wider registers, so the same bits.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// library loads (GCC's function clones; Clang does not clone function templates, so its builds, the fuzzers',
+// take the baseline only); the same operations in wider registers, so the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define GS_CPU_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define GS_CPU_VECTOR_CLONES
