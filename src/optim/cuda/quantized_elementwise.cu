@@ -22,18 +22,6 @@ namespace {
 
 using namespace optim_detail;
 
-// The options with what algorithm A and a count of States states imply written as constants (the algorithm;
-// Adam's amsgrad; RMSprop's centered), so that the compiler folds the tests on them (state_is_signed's switch,
-// the rules' option branches) out of the 8-bit element loops instead of testing them per element.
-template <OptimAlgorithm A, int States>
-__device__ OptimOptions with_known_options(const OptimOptions& o) {
-  OptimOptions known = o;
-  known.algorithm = A;
-  if constexpr (A == OptimAlgorithm::Adam || A == OptimAlgorithm::AdamW) known.amsgrad = States == 3;
-  if constexpr (A == OptimAlgorithm::RMSprop && States != 2) known.centered = States == 3;
-  return known;
-}
-
 // Asks the L2 cache to fetch bytes [p, p + bytes) (rounded inward to 16-byte boundaries, as the bulk prefetch
 // needs) without waiting for them: cp.async.bulk.prefetch (Hopper), one instruction for the whole range, and no
 // registers held while the bytes arrive.

@@ -20,6 +20,18 @@ namespace {
 
 using namespace optim_detail;
 
+// The options with what algorithm A and a count of States states imply written as constants (the algorithm;
+// Adam's amsgrad; RMSprop's centered), so that the compiler folds the tests on them (state_is_signed's switch,
+// the rules' option branches) out of the 8-bit element loops (dense and row-sparse) instead of testing them per element.
+template <OptimAlgorithm A, int States>
+__device__ OptimOptions with_known_options(const OptimOptions& o) {
+  OptimOptions known = o;
+  known.algorithm = A;
+  if constexpr (A == OptimAlgorithm::Adam || A == OptimAlgorithm::AdamW) known.amsgrad = States == 3;
+  if constexpr (A == OptimAlgorithm::RMSprop && States != 2) known.centered = States == 3;
+  return known;
+}
+
 // Per value k, the absmax_combine over the `group` consecutive threads (a power of two from 4 to 128) that
 // share a quantisation block; all N values in one exchange, so a group wider than a warp meets at two
 // barriers per pass whatever N is (within a warp: one REDUX per value, or shuffles below 32). Every thread of the

@@ -18,6 +18,8 @@
 #include "optim/cuda/launchers.h"
 #include "optim/cuda/policy.cuh"
 #include "optim/cuda/quantization_maps.cuh"
+#include "optim/cuda/quantized_loops.cuh"
+#include "optim/cuda/vector_access.cuh"
 #include "optim/rules.h"
 
 namespace graphsafe {
@@ -183,76 +185,210 @@ __device__ uint32_t team_max(uint32_t v, const QuantizedTeam& team, uint32_t* sc
   return v;
 }
 
-// Work item (k, i): block i of those row k's elements touch; a block that the previous listed row touches too is
-// that row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the
-// dense step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the
-// dense kernel's), and, if any element was updated, the states requantised with quantize_block's absmax and codes.
-// Rows are at most INT32_MAX long (the launch checks): an element's row and column take 32-bit divisions.
+// Division of non-negative numbers in 32 bits where both fit (nearly always): a 64-bit division is a long
+// instruction sequence, and the 8-bit kernel is instruction-bound.
+__device__ int64_t divide(int64_t a, int64_t b) {
+  if (((a | b) >> 32) == 0) return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+  return a / b;
+}
+
+// A work item of the 8-bit kernel: quantisation block b (elements start, ...), its first element's row and
+// column, and `slot`, the list entry of the first listed row that touches it (the item's owner).
+struct QuantizedItem {
+  int64_t slot, b, start, first_row;
+  uint32_t first_column;  // < row_length
+};
+
+// The list entries of a block's rows, walked forward from the item's slot: rows increase along the list, and
+// each thread asks for its elements' rows in increasing order, so `listed` (rows[j], or INT64_MAX past the end
+// of the list) is read once per entry passed, not once per element.
+struct EntryCursor {
+  const int64_t* rows;
+  int64_t count, j, listed;
+
+  __device__ EntryCursor(const SparseRows& r, int64_t count, int64_t slot)
+      : rows(r.rows), count(count), j(slot), listed(r.rows[slot]) {}
+  // Whether element_row is listed (at entry j then).
+  __device__ bool find(int64_t element_row) {
+    while (listed < element_row) {
+      ++j;
+      listed = j < count ? rows[j] : INT64_MAX;
+    }
+    return listed == element_row;
+  }
+};
+
+// The block's new absmax key for one state (absmax_step over the thread's present elements, then team_max).
+template <int V>
+__device__ float team_absmax_key(const float (&s)[V][4], const bool (&present)[V], int state, const QuantizedTeam& team,
+                                 uint32_t* scratch) {
+  float key = 0.0f;
+#pragma unroll
+  for (int m = 0; m < V; ++m)
+    if (present[m]) key = absmax_step(key, s[m][state]);
+  return bits_float(team_max(float_bits(key), team, scratch));
+}
+
+// One item whose block lies whole in the tensor, for blocks of whole warps (block_size a multiple of 256), rows a
+// multiple of kPiece long and every pointer aligned for pieces: the dense whole-chunk loop's layout
+// (quantized_loops.cuh), lane l of each warp taking the 16-byte pieces l, l + 32, ... of the warp's 256 elements.
+// A piece lies in one row, so its gradient is one load from the row's list entry, or 0 when the row is not
+// listed. Everything is loaded before anything is stored.
 template <class T, int States, OptimAlgorithm A, class Math>
-__global__ void __launch_bounds__(kThreads)
-    sparse_quantized_kernel(OptimOptions o, LearningRate lr, SparseTarget t, SparseRows r,
-                            const unsigned long long* valid_rows, int block_size, int64_t blocks_per_row) {
-  constexpr int kPerLane = QuantizedTeam::kPerLane;
-  const float rate = *lr.value;
-  if (!learning_rate_usable(lr, rate)) return;
-  __shared__ Coefficients k;
-  __shared__ uint32_t scratch[kThreads / 32];
-  share_sparse_coefficients(o, rate, t, nullptr, k);
-  const QuantizedTeam team(block_size);
-  const int teams_per_block = blockDim.x / team.threads, member = threadIdx.x % team.threads;
-  const int64_t d = r.row_length, count = rows_in_use(r, valid_rows);
+__device__ void step_whole_block(const OptimOptions& o, const Coefficients& k, const SparseTarget& t,
+                                 const SparseRows& r, int64_t count, const QuantizedItem& item,
+                                 const QuantizedTeam& team, int member, uint32_t* scratch) {
+  constexpr int V = QuantizedTeam::kPerLane, kPiece = 16 / int(sizeof(T)), kPieces = V / kPiece;
+  constexpr int kPieceStride = 32 * kPiece;
+  const int first = (member / 32) * QuantizedTeam::kWarpBlock + (member % 32) * kPiece;  // piece i: + i * kPieceStride
+  const int64_t d = r.row_length;
+  const uint32_t d32 = static_cast<uint32_t>(d);
+  T* param = static_cast<T*>(t.param) + item.start + first;
+  const T* row_grads = static_cast<const T*>(r.row_grads);
+  float g[V], p[V], s[V][4] = {};
+  Pack<T, kPiece> p_raw[kPieces];  // skipped elements are stored back with their own bits
+  EntryCursor entry(r, count, item.slot);
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    p_raw[i] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(param + i * kPieceStride));
+    const uint32_t x = item.first_column + first + i * kPieceStride, rows_on = x / d32;  // x < d + block_size
+    Pack<T, kPiece> g_raw{};
+    if (entry.find(item.first_row + rows_on))
+      g_raw = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(row_grads + entry.j * d + (x - rows_on * d32)));
+#pragma unroll
+    for (int e = 0; e < kPiece; ++e) {
+      g[i * kPiece + e] = ElementTraits<T>::load(g_raw.v[e]);
+      p[i * kPiece + e] = ElementTraits<T>::load(p_raw[i].v[e]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < States; ++q) {
+    const float* map = kSharedMapsImage.value(state_is_signed(o, q));
+    const uint8_t* codes = t.codes[q] + item.start + first;
+    const float absmax = t.absmax[q][item.b];
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const Pack<uint8_t, kPiece> c = load_streaming(reinterpret_cast<const Pack<uint8_t, kPiece>*>(codes + i * kPieceStride));
+#pragma unroll
+      for (int e = 0; e < kPiece; ++e) s[i * kPiece + e][q] = dequantize_value(map, c.v[e], absmax);
+    }
+  }
+  bool any = false;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    if (skipped(o, g[e])) continue;
+    float st[4] = {s[e][0], s[e][1], s[e][2], s[e][3]};  // through a copy, as the dense loop (quantized_loops.cuh)
+    elementwise_rule<A, Math>(o, k, g[e], p[e], st);
+    p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(p[e]);
+#pragma unroll
+    for (int q = 0; q < States; ++q) s[e][q] = st[q];
+    any = true;
+  }
+  if (any) {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) store_streaming(reinterpret_cast<Pack<T, kPiece>*>(param + i * kPieceStride), p_raw[i]);
+  }
+  if (team_max(any ? 1u : 0u, team, scratch) == 0) return;  // an all-skipped block keeps codes and absmax
+  constexpr bool kAll[V] = {true, true, true, true, true, true, true, true};
+#pragma unroll
+  for (int q = 0; q < States; ++q) {
+    const Requantizer requantize(o, &kSharedMapsImage, q, team_absmax_key(s, kAll, q, team, scratch));
+    uint8_t* codes = t.codes[q] + item.start + first;
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i)
+      store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + i * kPieceStride),
+                      requantize.codes<kPiece>(s, i * kPiece));
+    if (member == 0) t.absmax[q][item.b] = requantize.absmax;
+  }
+}
+
+// Any other item (the tensor's partial last block, small blocks, rows not a multiple of kPiece, unaligned
+// pointers): team thread m owns elements m, m + team.threads, ... of the block, one at a time.
+template <class T, int States, OptimAlgorithm A, class Math>
+__device__ void step_block_elementwise(const OptimOptions& o, const Coefficients& k, const SparseTarget& t,
+                                       const SparseRows& r, int64_t count, const QuantizedItem& item,
+                                       const QuantizedTeam& team, int member, uint32_t* scratch) {
+  constexpr int V = QuantizedTeam::kPerLane;
+  const int64_t d = r.row_length;
   const uint32_t d32 = static_cast<uint32_t>(d);
   T* param = static_cast<T*>(t.param);
   const T* row_grads = static_cast<const T*>(r.row_grads);
+  float g[V], p[V], s[V][4];
+  bool present[V], updated[V];
+  EntryCursor entry(r, count, item.slot);
+#pragma unroll
+  for (int m = 0; m < V; ++m) {
+    g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
+    updated[m] = false;
+    const uint32_t offset = member + m * team.threads;
+    present[m] = m < team.per_thread && item.start + offset < t.numel;
+    if (!present[m]) continue;
+    const uint32_t x = item.first_column + offset, rows_on = x / d32;  // x < d + block_size
+    const int64_t e = item.start + offset;
+    if (entry.find(item.first_row + rows_on)) g[m] = ElementTraits<T>::load(row_grads[entry.j * d + (x - rows_on * d32)]);
+    p[m] = ElementTraits<T>::load(param[e]);
+#pragma unroll
+    for (int q = 0; q < States; ++q)
+      s[m][q] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, q)), t.codes[q][e], t.absmax[q][item.b]);
+  }
+  bool any = false;
+#pragma unroll
+  for (int m = 0; m < V; ++m) {
+    if (!present[m] || skipped(o, g[m])) continue;
+    elementwise_rule<A, Math>(o, k, g[m], p[m], s[m]);
+    updated[m] = any = true;
+  }
+#pragma unroll
+  for (int m = 0; m < V; ++m)
+    if (updated[m]) param[item.start + member + m * team.threads] = ElementTraits<T>::store(p[m]);
+  if (team_max(any ? 1u : 0u, team, scratch) == 0) return;  // an all-skipped block keeps codes and absmax
+#pragma unroll
+  for (int q = 0; q < States; ++q) {
+    const bool is_signed = state_is_signed(o, q);
+    const float absmax = absmax_finish(team_absmax_key(s, present, q, team, scratch));
+    const BlockScale scale = block_scale(absmax);
+#pragma unroll
+    for (int m = 0; m < V; ++m)
+      if (present[m])
+        t.codes[q][item.start + member + m * team.threads] =
+            quantize_value(kSharedMapsImage.words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
+    if (member == 0) t.absmax[q][item.b] = absmax;
+  }
+}
+
+// Work item (k, i): block i of those row k's elements touch; a block that the previous listed row touches too is
+// that row's. Elements of rows not listed (in a block shared with a listed row) have gradient 0: skipped, as the
+// dense step skips them. The block's states are dequantised, the rule applied (elementwise_rule<A, Math>, the
+// dense kernel's, with the options the algorithm implies folded in: with_known_options), and, if any element was
+// updated, the states requantised with quantize_block's absmax and codes. `whole`: blocks of whole warps, rows
+// and pointers fit for pieces (launch_sparse_quantized_step); then every block inside the tensor takes
+// step_whole_block. Rows are at most INT32_MAX long (the launch checks): columns are 32-bit.
+template <class T, int States, OptimAlgorithm A, class Math>
+__global__ void __launch_bounds__(kThreads)
+    sparse_quantized_kernel(OptimOptions options, LearningRate lr, SparseTarget t, SparseRows r,
+                            const unsigned long long* valid_rows, int block_size, int64_t blocks_per_row, bool whole) {
+  const float rate = *lr.value;
+  if (!learning_rate_usable(lr, rate)) return;
+  const OptimOptions o = with_known_options<A, States>(options);
+  __shared__ Coefficients shared_k;
+  __shared__ uint32_t scratch[kThreads / 32];
+  share_sparse_coefficients(o, rate, t, nullptr, shared_k);
+  const Coefficients k = shared_k;  // in registers: not re-read from shared memory after every store
+  const QuantizedTeam team(block_size);
+  const int teams_per_block = blockDim.x / team.threads, member = threadIdx.x % team.threads;
+  const int block_shift = __ffs(block_size) - 1;  // a power of two
+  const int64_t d = r.row_length, count = rows_in_use(r, valid_rows);
   for (int64_t item = int64_t(blockIdx.x) * teams_per_block + threadIdx.x / team.threads;
        item < count * blocks_per_row; item += int64_t(gridDim.x) * teams_per_block) {
-    const int64_t slot = item / blocks_per_row;
-    const int64_t row = r.rows[slot];
-    const int64_t b = row * d / block_size + item % blocks_per_row;
-    if (b > (row * d + d - 1) / block_size) continue;                                          // past the row
-    if (slot > 0 && (r.rows[slot - 1] * d + d - 1) / block_size >= b) continue;  // the previous entry's block
-    const int64_t start = b * block_size, first_row = start / d;
-    const uint32_t first_column = static_cast<uint32_t>(start - first_row * d);
-    float g[kPerLane], p[kPerLane], s[kPerLane][4];
-    bool inside[kPerLane];
-    bool any = false;
-    int64_t j = slot;  // the list entry at or after the element's row (element rows increase with m)
-#pragma unroll
-    for (int m = 0; m < kPerLane; ++m) {
-      g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
-      const uint32_t offset = member + m * team.threads;
-      inside[m] = m < team.per_thread && start + offset < t.numel;
-      if (!inside[m]) continue;
-      const uint32_t x = first_column + offset;  // < d + block_size: no overflow for d <= INT32_MAX
-      const int64_t element_row = first_row + x / d32, e = start + offset;
-      while (j < count && r.rows[j] < element_row) ++j;
-      if (j < count && r.rows[j] == element_row) g[m] = ElementTraits<T>::load(row_grads[j * d + x % d32]);
-#pragma unroll
-      for (int q = 0; q < States; ++q)
-        s[m][q] = dequantize_value(kSharedMapsImage.value(state_is_signed(o, q)), t.codes[q][e], t.absmax[q][b]);
-      p[m] = ElementTraits<T>::load(param[e]);
-      if (skipped(o, g[m])) continue;
-      elementwise_rule<A, Math>(o, k, g[m], p[m], s[m]);
-      param[e] = ElementTraits<T>::store(p[m]);
-      any = true;
-    }
-    if (team_max(any ? 1u : 0u, team, scratch) == 0) continue;  // an all-skipped block keeps codes and absmax
-#pragma unroll
-    for (int q = 0; q < States; ++q) {
-      const bool is_signed = state_is_signed(o, q);
-      float key = 0.0f;
-#pragma unroll
-      for (int m = 0; m < kPerLane; ++m)
-        if (inside[m]) key = absmax_step(key, s[m][q]);
-      const float absmax = absmax_finish(bits_float(team_max(float_bits(key), team, scratch)));
-      const BlockScale scale = block_scale(absmax);
-#pragma unroll
-      for (int m = 0; m < kPerLane; ++m)
-        if (inside[m])
-          t.codes[q][start + member + m * team.threads] =
-              quantize_value(kSharedMapsImage.words(is_signed), is_signed, normalized_or_nan(s[m][q], scale));
-      if (member == 0) t.absmax[q][b] = absmax;
-    }
+    const int64_t slot = divide(item, blocks_per_row);
+    const int64_t row_start = r.rows[slot] * d;
+    const int64_t b = (row_start >> block_shift) + (item - slot * blocks_per_row);
+    if (b > (row_start + d - 1) >> block_shift) continue;                                  // past the row
+    if (slot > 0 && (r.rows[slot - 1] * d + d - 1) >> block_shift >= b) continue;  // the previous entry's block
+    const int64_t start = b << block_shift, first_row = divide(start, d);
+    const QuantizedItem it{slot, b, start, first_row, static_cast<uint32_t>(start - first_row * d)};
+    if (whole && start + block_size <= t.numel) step_whole_block<T, States, A, Math>(o, k, t, r, count, it, team, member, scratch);
+    else step_block_elementwise<T, States, A, Math>(o, k, t, r, count, it, team, member, scratch);
   }
 }
 
@@ -331,6 +467,11 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
   const int b = a.block_size;
   with_param_type(a.param_dtype, [&](auto type) {
     using T = typename decltype(type)::type;
+    // step_whole_block's conditions (pieces of 16 bytes of parameters and gradients, of their element count of codes).
+    constexpr int kPiece = 16 / int(sizeof(T));
+    bool whole = b % QuantizedTeam::kWarpBlock == 0 && g.row_length % kPiece == 0 && aligned(t.param, 16) &&
+                 aligned(g.row_grads, 16);
+    for (int j = 0; j < kMaxOptimStates; ++j) whole = whole && (t.codes[j] == nullptr || aligned(t.codes[j], kPiece));
     with_state_count(o, [&](auto states) {
       constexpr int States = decltype(states)::value;
       with_elementwise_algorithm<States>(o.algorithm, [&](auto algorithm) {
@@ -339,7 +480,7 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
           // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
           const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
                                                                      : &sparse_quantized_kernel<T, States, A, ExactMath>;
-          GS_LAUNCH(kernel, blocks, threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row);
+          GS_LAUNCH(kernel, blocks, threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row, whole);
           GS_CUDA_CHECK_LAUNCH();
         }
       });

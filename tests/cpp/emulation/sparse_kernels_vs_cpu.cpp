@@ -3,7 +3,7 @@
 // bit on parameters, fp32/bf16 states, 8-bit codes and absmax, the step count and the schedule values. Every
 // algorithm of the table with every state its options can create, 32/16/8-bit states (the table permitting), fp32
 // and bf16 parameters; tables of 13 rows of 24 (block 32: blocks straddle rows, the last block partial) and, with
-// 8-bit states and fp32 parameters, of 5 rows of 64 (block 32: rows apart); several steps on one table, with lists below capacity (tail rows -1, NaN
+// 8-bit states and fp32 parameters, of 5 rows of 64 (block 32: rows apart), and the shapes for_each_problem lists; several steps on one table, with lists below capacity (tail rows -1, NaN
 // gradients: must not be read), empty, full, with the first and last rows and with exact zeros in listed rows.
 // Then invalid lists: the CPU throws and writes nothing; CUDA skips the bad rows, steps the others, writes nothing
 // out of bounds (canary elements around every buffer) and records the error. Sizes stay small: every emulated
@@ -261,7 +261,7 @@ void for_each_problem(F&& f) {
     for (int bits : {32, 16, 8})
       for (DType dtype : {DType::Float32, DType::BFloat16})
         for (Shape shape : {Shape{13, 24, 32}, Shape{5, 64, 32}, Shape{9, 100, 256}, Shape{40, 30, 1024},
-                            Shape{6, 7, 32}}) {
+                            Shape{6, 7, 32}, Shape{10, 128, 256}, Shape{40, 32, 1024}}) {
           Problem s;
           s.o = options_with_every_state(OptimAlgorithm(algorithm));
           if (bits == 8 && !quantizable(s.o.algorithm)) continue;
@@ -274,6 +274,10 @@ void for_each_problem(F&& f) {
           if (shape.block == 256 && bits != 8) continue;
           if (shape.block == 1024 && (bits != 8 || dtype != DType::Float32)) continue;
           if (shape.d == 7 && (bits == 8 || dtype != DType::Float32)) continue;
+          // Whole blocks in 16-byte pieces (sparse.cu, step_whole_block): 8-bit states, rows of two pieces of fp32 and
+          // bf16 per block of 256 (block shared by two rows, as in the recommender case) and a team of warps.
+          if (shape.d == 128 && bits != 8) continue;
+          if (shape.d == 32 && (bits != 8 || dtype != DType::Float32)) continue;
           s.dtype = dtype;
           s.bits = bits;
           s.rows = shape.rows;
@@ -364,8 +368,9 @@ TEST(SparseKernelsEmulated, EveryAlgorithmMatchesTheCpuAndTheDenseStep) {
     }
   });
   // 32/16 bits: 2 dtypes on the first shape, fp32 on the odd rows; 8 bits (not Schedule-Free AdamW): 2 dtypes on the
-  // first shape and on blocks of 256, fp32 on rows apart and on blocks of 1024.
-  EXPECT_EQ(problems, 2 * 3 * kOptimAlgorithmCount + 6 * (kOptimAlgorithmCount - 1));
+  // first shape, on blocks of 256 and on whole blocks of 256, fp32 on rows apart, on blocks of 1024 and on whole
+  // blocks of 1024.
+  EXPECT_EQ(problems, 2 * 3 * kOptimAlgorithmCount + 9 * (kOptimAlgorithmCount - 1));
 }
 
 // On a 13x24 table (13 rows).
