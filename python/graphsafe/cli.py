@@ -6,7 +6,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +75,9 @@ def _add_train(commands) -> None:
     train.add_argument("--nproc", type=_positive_int,
                        help="train data-parallel in N local processes started here (gloo on cpu, NCCL on cuda with one "
                             "GPU per rank); or run under torchrun instead (docs/multi-gpu.md)")
+    train.add_argument("--plot", metavar="FILE", type=_writable_file,
+                       help="also draw the loss and step time per step of each method run as FILE (.png, .svg or "
+                            ".pdf; needs matplotlib: pip install 'graphsafe[plot]')")
     train.add_argument("--parallel", choices=("none", "ddp", "fsdp2"),
                        help="data parallelism across the processes: ddp (gradient all-reduce inside the compiled step; "
                             "the default with several processes) or fsdp2 (fully_shard, run eagerly)")
@@ -105,7 +108,13 @@ def _add_bench(commands) -> None:
         help="timed repeats per measurement (default: cuda 30, 20 quick; cpu 10 quick, 3 full)",
     )
     bench.add_argument("--json-out", metavar="FILE", type=_writable_file, help="also write the JSON lines to FILE")
-    bench.add_argument("--seed", type=_seed(0, 2**32 - 1), default=0, help="seed for indices and gradients (default 0)")
+    bench.add_argument("--seed", type=_seed(0, 2**32 - 1), help="seed for indices and gradients (default 0)")
+    bench.add_argument("--plot", metavar="DIR", type=_folder,
+                       help="also draw each suite's results as DIR/<suite>.png (embedding, optim; made if missing; "
+                            "needs matplotlib: pip install 'graphsafe[plot]')")
+    bench.add_argument("--from", dest="from_file", metavar="FILE", type=_readable_file,
+                       help="with --plot: draw the plots from FILE, the JSON lines of an earlier run (--json-out, or "
+                            "its whole stdout), instead of measuring")
     bench.set_defaults(handler=_run_bench, parser=bench)
 
 
@@ -169,7 +178,7 @@ def _seed(low: int, high: int) -> Callable[[str], int]:
 
 
 def _writable_file(text: str) -> str:
-    """FILE for --json-out: its folder must exist (checked now, not after the first suite ran)."""
+    """FILE to write (--json-out, train's --plot): its folder must exist (checked now, not after a run)."""
     folder = os.path.dirname(os.path.abspath(text)) or "."
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
@@ -178,18 +187,49 @@ def _writable_file(text: str) -> str:
     return text
 
 
+def _folder(text: str) -> str:
+    """DIR for bench's --plot: a folder, or a path where one can be made."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return text
+
+
+def _readable_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file" if os.path.exists(text) else f"no file {text!r}")
+    return text
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     from .bench import BenchOptions, run_bench
+    from .bench.plots import PlotUnavailable
 
+    if args.from_file is not None:
+        if args.plot is None:
+            args.parser.error("--from FILE draws the plots of a saved run: give --plot DIR too")
+        measuring = [option for option, value in (("--device", args.device), ("--quick/--full", args.quick),
+                                                  ("--repeats", args.repeats), ("--json-out", args.json_out),
+                                                  ("--seed", args.seed)) if value is not None]
+        if measuring:
+            args.parser.error(f"--from plots a saved run without measuring; {', '.join(measuring)} would not apply")
     options = BenchOptions(
         suites=args.suite or [], device=args.device, quick=args.quick, repeats=args.repeats,
-        json_out=args.json_out, seed=args.seed,
+        json_out=args.json_out, seed=args.seed or 0, plot_dir=args.plot, from_file=args.from_file,
     )
-    return run_bench(options)
+    try:
+        return run_bench(options)
+    except PlotUnavailable as exc:
+        _missing_plot_library(args, exc)
+
+
+def _missing_plot_library(args: argparse.Namespace, exc: ImportError) -> NoReturn:
+    """Exit with one line that says how to install matplotlib (a missing extra, not a usage error: exit code 1)."""
+    args.parser.exit(1, f"{args.parser.prog}: error: --plot: {exc}\n")
 
 
 def _run_train(args: argparse.Namespace) -> int:
     from .bench.harness import resolve_device
+    from .bench.plots import PlotUnavailable, require_matplotlib
     from .trainer import default_config, train
     from .trainer.run import ConfigError, check_config
 
@@ -199,12 +239,17 @@ def _run_train(args: argparse.Namespace) -> int:
         str(device), model=args.model, moe=args.moe, optimizer=args.optimizer, lr=args.lr, state_bits=args.state_bits,
         skip_zeros=args.skip_zeros, sparse_updates=args.sparse_updates, mode=args.mode, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, dim=args.dim, layers=args.layers, matmul=args.matmul,
-        check_determinism=args.check_determinism, compare_torch=args.compare_torch, parallel=parallel,
+        check_determinism=args.check_determinism, compare_torch=args.compare_torch, parallel=parallel, plot=args.plot,
     )
     try:
         check_config(config)
     except ConfigError as exc:
         args.parser.error(str(exc))
+    if args.plot is not None:
+        try:  # before the training, and before --nproc starts its processes
+            require_matplotlib()
+        except PlotUnavailable as exc:
+            _missing_plot_library(args, exc)
     if nproc > 1:
         from .trainer.parallel import launch
 

@@ -20,7 +20,7 @@ import graphsafe.ops
 import graphsafe.optim
 
 from .harness import BenchContext, Suite, Target, register_suite
-from .indices import uniform_indices, zipf_indices
+from .indices import TableCase
 from .optim_cases import fmt_count
 from .report import first_line, fmt_ms, markdown_table
 from .timing import time_function
@@ -44,27 +44,17 @@ class OptimizerCase:
         return f"{self.algorithm} {fmt_count(self.total)} ×{self.tensors}"
 
 
-@dataclass(frozen=True)
-class EmbeddingCase:
-    name: str
-    num_weights: int
-    dim: int
-    dtype: torch.dtype
-    tokens: int
-    zipf: bool
-
-
 def optimizer_cases(quick: bool) -> list[OptimizerCase]:
     divisor = QUICK_DIVISOR if quick else 1
     return [OptimizerCase(a, total // divisor, n) for a in OPTIMIZERS
             for total, n in ((4 << 20, 1), (16 << 20, 1), (4 << 20, 200))]
 
 
-def embedding_cases(quick: bool) -> list[EmbeddingCase]:
+def embedding_cases(quick: bool) -> list[TableCase]:
     divisor = QUICK_DIVISOR if quick else 1
-    return [EmbeddingCase("llm-small", 32000 // divisor, 256, torch.float32, 8192 // divisor, False),
-            EmbeddingCase("llm-vocab", 128256 // divisor, 1024, torch.bfloat16, 4096 // divisor, False),
-            EmbeddingCase("recsys-zipf", (1 << 20) // divisor, 64, torch.float32, 262144 // divisor, True)]
+    return [TableCase("llm-small", 32000 // divisor, 256, torch.float32, 8192 // divisor, False),
+            TableCase("llm-vocab", 128256 // divisor, 1024, torch.bfloat16, 4096 // divisor, False),
+            TableCase("recsys-zipf", (1 << 20) // divisor, 64, torch.float32, 262144 // divisor, True)]
 
 
 def _optimizer_step(method: str, case: OptimizerCase, generator: torch.Generator):
@@ -81,7 +71,7 @@ def _optimizer_step(method: str, case: OptimizerCase, generator: torch.Generator
     return optimizer.step
 
 
-def _embedding_backward(method: str, case: EmbeddingCase, grad: torch.Tensor, indices: torch.Tensor):
+def _embedding_backward(method: str, case: TableCase, grad: torch.Tensor, indices: torch.Tensor):
     v = case.num_weights
     if method == "graphsafe":
         return lambda: graphsafe.ops.embedding_backward(grad, indices, v)
@@ -111,14 +101,10 @@ def run(ctx: BenchContext) -> list[dict]:
                           algorithm=case.algorithm, total=case.total, tensors=case.tensors)
             records.append(_measure(ctx, record, _optimizer_step(method, case, generator)))
     for case in embedding_cases(ctx.quick):
-        generator = torch.Generator().manual_seed(ctx.seed)
-        make = zipf_indices if case.zipf else uniform_indices
-        indices = make(case.num_weights, case.tokens, ctx.seed)
-        grad = torch.randn((case.tokens, case.dim), generator=generator).to(case.dtype)
+        indices, grad = case.indices(ctx.seed), case.grad(torch.Generator().manual_seed(ctx.seed))
         for method in EMBEDDING_METHODS:
             record = dict(record="measurement", suite="cpu", kind="embedding", case=case.name, method=method,
-                          num_weights=case.num_weights, dim=case.dim, dtype=str(case.dtype).removeprefix("torch."),
-                          tokens=case.tokens)
+                          **case.fields())
             records.append(_measure(ctx, record, _embedding_backward(method, case, grad, indices)))
     return records
 

@@ -49,7 +49,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .harness import BenchContext, Suite, Target, register_suite
+from .harness import BenchContext, Suite, Target, progress, register_suite
 from .report import first_line, fmt_ms, markdown_table
 
 MODELS = ("lm", "recsys")
@@ -168,7 +168,7 @@ def run_suite(ctx: BenchContext) -> list[dict]:
     records: list[dict] = []
     for world in dict.fromkeys((1, nproc)):
         backend = "nccl" if spec["device"] == "cuda" else "gloo"
-        _progress(f"dist: {world} process{'es' if world > 1 else ''} ({backend})")
+        progress(f"dist: {world} process{'es' if world > 1 else ''} ({backend})")
         records += launch_group(world, spec, timeout)
     add_comparisons(records)
     for record in records:
@@ -216,7 +216,7 @@ def launch_group(world: int, spec: dict, timeout: float) -> list[dict]:
             with open(out_path, encoding="utf-8") as f:
                 return json.load(f)
         rank, why = failure if failure is not None else (0, "wrote no results")
-        _progress(f"dist: {world} process(es) failed: rank {rank} {why}; its output ends with:\n{tails[rank][-2000:]}")
+        progress(f"dist: {world} process(es) failed: rank {rank} {why}; its output ends with:\n{tails[rank][-2000:]}")
         last = next((line for line in reversed(tails[rank].strip().splitlines()) if line.strip()), "")
         error = f"rank {rank} of {world} {why}" + (f": {last.strip()[:200]}" if last else "")
         return [_base_record(model, method, world, spec) | {"error": error}
@@ -402,10 +402,6 @@ def render(records: list[dict], ctx: BenchContext) -> str:
                         "comm ms", "note"), rows,
                        align_right=(False, False, True, False, True, True, True, True, True, False)),
     ])
-
-
-def _progress(message: str) -> None:
-    print(f"[graphsafe bench] {message}", file=sys.stderr, flush=True)
 
 
 register_suite(Suite("dist", "data-parallel training step at 1 and N processes: captured/eager graphsafe vs "

@@ -16,6 +16,7 @@ import graphsafe
 from .._core_args import dtype_name
 from .harness import BenchContext, Suite, Target, register_suite
 from .indices import ZIPF_EXPONENT, hot_row_indices, uniform_indices, zipf_indices
+from .plots import measured, new_figure, nothing_measured, run_title
 from .report import fmt_bool, fmt_bytes, fmt_error, fmt_float, fmt_ms, first_line, markdown_table
 from .timing import gbps, input_set_count, time_function
 
@@ -86,6 +87,7 @@ METHODS = {"graphsafe": graphsafe_backward, "aten": aten_backward, "index_add": 
 BASELINES = ("index_add", "aten")
 MEASURE_ORDER = ("index_add", "aten", "graphsafe")  # baselines first: graphsafe's record then carries its speedups
 DISPLAY_ORDER = ("graphsafe", "aten", "index_add")
+PLOT_STYLE = {"graphsafe": ("o", "tab:blue"), "aten": ("s", "tab:orange"), "index_add": ("^", "tab:green")}
 
 
 def cases_for(quick: bool) -> tuple[EmbeddingCase, ...]:
@@ -309,6 +311,40 @@ def _legend(ctx: BenchContext) -> str:
     return "\n".join(lines)
 
 
+def plot(records: list[dict], environment: dict):
+    """Each method's median time against the case's tokens (log-log), beside the case's memory floor: its min
+    bytes at the measured copy bandwidth, the time no method can beat. The cases are different tables (V, D,
+    dtype), so their points are not joined."""
+    figure = new_figure(8, 6)
+    axes = figure.add_subplot()
+    points = measured(records)
+    if not points:
+        nothing_measured(axes)
+        return figure
+    for method in DISPLAY_ORDER:
+        mine = [r for r in points if r["method"] == method]
+        marker, color = PLOT_STYLE[method]
+        axes.scatter([r["N"] for r in mine], [r["ms_median"] for r in mine], marker=marker, s=50, zorder=3,
+                     color=color, label=method)
+    cases = list({r["case"]: r for r in points}.values())  # one record per case: its shape and min bytes
+    tokens = [r["N"] for r in cases]
+    copy_gbps = environment["copy_bw_gbps"]
+    axes.hlines([r["bytes"] / (copy_gbps * 1e6) for r in cases], [n / 1.3 for n in tokens],
+                [n * 1.3 for n in tokens], colors="black", zorder=2,
+                label=f"memory floor (min bytes at the {copy_gbps:.4g} GB/s copy bandwidth)")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xticks(tokens, [f"{r['N']}\n{r['case_name']}" for r in cases], fontsize="small")
+    axes.minorticks_off()
+    shapes = "".join(f"\n{r['case_name']}: V={r['V']} D={r['D']} {r['dtype']}, {r['distribution']}" for r in cases)
+    axes.set_xlabel(f"tokens (indices) per backward{shapes}", fontsize="small")
+    axes.set_ylabel("ms (median)")
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(loc="best", fontsize="small")
+    axes.set_title(run_title(environment, "dense embedding backward"), fontsize="medium")
+    return figure
+
+
 SUITE = register_suite(
     Suite(
         name="embedding",
@@ -316,5 +352,6 @@ SUITE = register_suite(
         run=run_suite,
         targets=evaluate_targets,
         render=render,
+        plot=plot,
     )
 )

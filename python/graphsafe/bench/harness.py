@@ -1,21 +1,23 @@
 """The suite registry and the driver that `graphsafe bench` runs.
 
-A suite is a name plus three functions: `run` measures and emits one record per measurement (through
-`ctx.emit`, as it goes), `targets` turns the records into PASS/MISS/SKIP verdicts, and `render` draws the
-markdown table. Adding a suite (e.g. `optim`) is one module that calls `register_suite` and one import line in
-`graphsafe/bench/__init__.py`.
+A suite is a name plus functions: `run` measures and emits one record per measurement (through `ctx.emit`, as it
+goes), `targets` turns the records into PASS/MISS/SKIP verdicts, `render` draws the markdown table, and `plot`
+(optional) draws a matplotlib figure from the records and the run's environment record (plots.py). Adding a
+suite (e.g. `optim`) is one module that calls `register_suite` and one import line in `graphsafe/bench/__init__.py`.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 import graphsafe
 
+from . import plots
 from .environment import device_name, environment_record
 from .report import JsonLines, markdown_table
 from .timing import CopyBandwidth, TimerConfig, default_timer_config, measure_copy_bandwidth
@@ -58,6 +60,7 @@ class Suite:
     run: Callable[[BenchContext], list[dict]]
     targets: Callable[[list[dict], BenchContext], list[Target]] = lambda records, ctx: []
     render: Callable[[list[dict], BenchContext], str] = lambda records, ctx: ""
+    plot: Callable[[list[dict], dict], object] | None = None  # (its records, the environment record) -> Figure
 
 
 _SUITES: dict[str, Suite] = {}
@@ -82,6 +85,8 @@ class BenchOptions:
     repeats: int | None = None
     json_out: str | None = None
     seed: int = 0
+    plot_dir: str | None = None  # write each suite's picture there (plots.py)
+    from_file: str | None = None  # with plot_dir: draw the records of this saved run instead of measuring
 
 
 def cuda_usable() -> bool:
@@ -105,12 +110,23 @@ def resolve_device(requested: str | None) -> torch.device:
 
 
 def run_bench(options: BenchOptions) -> int:
-    """Run the chosen suites; JSON lines to stdout as measured, then one markdown report per suite."""
+    """Run the chosen suites; JSON lines to stdout as measured, then one markdown report per suite, then (with
+    plot_dir) their pictures. With from_file: only the pictures, from that saved run's records.
+    A missing matplotlib raises plots.PlotUnavailable before anything is measured."""
     chosen = _choose_suites(options.suites)
+    if options.plot_dir is not None:  # both checked now, not after a run of minutes
+        plots.require_matplotlib()
+        try:
+            Path(options.plot_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"graphsafe: cannot make the plot folder {options.plot_dir!r}: {exc.strerror}") from None
+    if options.from_file is not None:
+        _plot_saved_run(options.from_file, options.plot_dir, chosen, asked=bool(options.suites))
+        return 0
     device = resolve_device(options.device)
     quick = (device.type == "cpu") if options.quick is None else options.quick
     timer = default_timer_config(device, quick, options.repeats)
-    _progress(f"measuring copy bandwidth on {device.type} ...")
+    progress(f"measuring copy bandwidth on {device.type} ...")
     copy_bw = measure_copy_bandwidth(device, timer)
     out = JsonLines(path=options.json_out)
     try:
@@ -125,7 +141,41 @@ def run_bench(options: BenchOptions) -> int:
     for report in reports:
         print()
         print(report)
+    if options.plot_dir is not None:
+        _write_plots(out.records, options.plot_dir, chosen)
     return 0
+
+
+def _plot_saved_run(path: str, folder: str, chosen: list[Suite], asked: bool) -> None:
+    """The pictures of a saved run's suites (those `asked` for, which it must hold; else all it holds)."""
+    try:
+        records = plots.read_records(path)
+    except ValueError as exc:
+        raise SystemExit(f"graphsafe: {exc}") from None
+    held = {r.get("suite") for r in records if r.get("record") == "measurement"}
+    missing = [suite.name for suite in chosen if suite.name not in held]
+    if asked and missing:
+        raise SystemExit(f"graphsafe: {path} has no measurements of suite(s) {', '.join(missing)}")
+    chosen = [suite for suite in chosen if suite.name in held]
+    if not any(suite.plot for suite in chosen):
+        raise SystemExit(f"graphsafe: {path} has no measurements of a suite with a plot ({', '.join(_plotted())})")
+    _write_plots(records, folder, chosen, path)
+
+
+def _write_plots(records: list[dict], folder: str, chosen: list[Suite], source: str = "this run") -> None:
+    try:
+        written = plots.write_plots(records, Path(folder), chosen)
+    except ValueError as exc:
+        raise SystemExit(f"graphsafe: cannot plot {source}: {exc}") from None
+    for path in written:
+        progress(f"plot: {path}")
+    without = [suite.name for suite in chosen if suite.plot is None]
+    if without:  # not an error: `--plot` with every suite is the ordinary call
+        progress(f"no plot for suite(s) {', '.join(without)} (plots exist for {', '.join(_plotted())})")
+
+
+def _plotted() -> list[str]:
+    return [name for name, suite in _SUITES.items() if suite.plot is not None]
 
 
 def _choose_suites(names: list[str]) -> list[Suite]:
@@ -139,7 +189,7 @@ def _choose_suites(names: list[str]) -> list[Suite]:
 
 
 def _run_suite(suite: Suite, ctx: BenchContext) -> str:
-    _progress(f"suite {suite.name}: {suite.description}")
+    progress(f"suite {suite.name}: {suite.description}")
     records = suite.run(ctx)
     targets = suite.targets(records, ctx)
     for target in targets:
@@ -168,5 +218,6 @@ def _header(ctx: BenchContext, environment: dict) -> str:
     )
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
+    """A log line on stderr (stdout carries the JSON lines and the tables)."""
     print(f"[graphsafe bench] {message}", file=sys.stderr, flush=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 ZIPF_EXPONENT = 1.05
@@ -34,3 +36,28 @@ def hot_row_indices(num_weights: int, count: int, hot_rows: int, seed: int) -> t
 
 def most_frequent_row(indices: torch.Tensor, num_weights: int) -> int:
     return int(torch.bincount(indices.cpu(), minlength=num_weights).argmax())
+
+
+@dataclass(frozen=True)
+class TableCase:
+    """An embedding table and one batch of indices into it: the `cpu` and `sparse` suites' cases."""
+
+    name: str
+    num_weights: int
+    dim: int
+    dtype: torch.dtype
+    tokens: int
+    zipf: bool  # zipf_indices, else uniform_indices
+
+    def indices(self, seed: int) -> torch.Tensor:
+        make = zipf_indices if self.zipf else uniform_indices
+        return make(self.num_weights, self.tokens, seed)
+
+    def grad(self, generator: torch.Generator) -> torch.Tensor:
+        """[tokens, dim] ~ N(0, 1) in the case's dtype, on the CPU."""
+        return torch.randn((self.tokens, self.dim), generator=generator).to(self.dtype)
+
+    def fields(self) -> dict:
+        """The table's shape as the suites' records state it."""
+        return dict(num_weights=self.num_weights, dim=self.dim, dtype=str(self.dtype).removeprefix("torch."),
+                    tokens=self.tokens)

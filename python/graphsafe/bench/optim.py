@@ -34,7 +34,7 @@ from .harness import BenchContext, Suite, register_suite
 from .optim_cases import (GRAPH_CHECK_REPLAYS, GRAPH_WARMUP_STEPS, GRAPHSAFE_METHODS, HOST_BOUND_ROUNDS,
                           HOST_BOUND_SHARE, HOST_CALLS, HOST_RUNS, OPTIONS, SAME_STORAGE_METHOD, TWO_PASS, OptimCase,
                           algorithm_cases, compare_cases, dtype_short, eight_bit_cases, graph_cases, host_cases)
-from .optim_report import evaluate_targets, render
+from .optim_report import evaluate_targets, plot, render
 from .report import first_line
 from .timing import Timing, gbps, host_us_per_call, input_set_count, time_function
 
@@ -378,5 +378,6 @@ SUITE = register_suite(
         run=run_suite,
         targets=evaluate_targets,
         render=render,
+        plot=plot,
     )
 )

@@ -11,7 +11,16 @@ from .optim_cases import (BYTES_FORMULA, FULL_TOTALS, GRAPH_CHECK_REPLAYS, GRAPH
                           SAME_STORAGE_METHOD, TARGET_8BIT_MS, TARGET_8BIT_PCT_COPY_BW, TARGET_MS, TARGET_PCT_COPY_BW,
                           TWO_PASS, OptimCase, algorithm_cases, compare_cases, eight_bit_cases, fmt_count,
                           graph_cases, headline_case, host_cases)
+from .plots import measured, new_figure, nothing_measured, run_title
 from .report import fmt_bool, fmt_bytes, fmt_float, fmt_ms, markdown_table
+
+# The plot's series: (a record's group and method) -> (legend label, colour), in legend order.
+PLOT_COMPARE = {("compare", "torch"): ("torch.optim", "tab:orange"),
+                ("compare", "graphsafe"): ("graphsafe (fp32 states)", "tab:blue"),
+                ("compare", SAME_STORAGE_METHOD): ("graphsafe (bf16 states, as torch's)", "tab:cyan"),
+                ("graph", "graphsafe"): ("graphsafe, replayed from a CUDA graph", "tab:purple")}
+PLOT_ALGORITHMS = {("algorithms", "graphsafe"): ("32-bit states", "tab:blue"),
+                   ("8bit", "graphsafe"): ("8-bit states", "tab:red")}
 
 def _index(records: list[dict]) -> dict[tuple[str, str, str], dict]:
     return {(r["group"], r["case"], r["method"]): r for r in records if r.get("record") == "measurement"}
@@ -188,3 +197,42 @@ def _legend(records: list[dict], ctx: BenchContext) -> str:
     for algorithm, dtype, reason in fallbacks:
         lines.append(f"torch {algorithm} {dtype}: fused=True does not run here ({reason}); foreach=True is timed.")
     return "\n".join(lines)
+
+
+def plot(records: list[dict], environment: dict):
+    """Each case's step as % of its memory floor (its min bytes at the copy bandwidth: 100% = a step at the floor)
+    beside its peers: left, AdamW and SGD against torch.optim; right, every algorithm with 32- and 8-bit states."""
+    points = measured(records, "pct_copy_bw")
+    compare = [r for r in points if (r["group"], r["method"]) in PLOT_COMPARE]
+    algorithms = [r for r in points if (r["group"], r["method"]) in PLOT_ALGORITHMS]
+    rows = max(len({r["case"] for r in compare}), len({r["case"] for r in algorithms}), 1)
+    figure = new_figure(13, 2 + 0.32 * rows)
+    left, right = figure.subplots(1, 2)
+    impls = sorted({r["impl"] for r in compare if r["method"] == "torch"})
+    series = PLOT_COMPARE | {("compare", "torch"): (f"torch.optim ({', '.join(impls)})", "tab:orange")}
+    _bars(left, compare, series, lambda r: r["case"], "graphsafe vs torch.optim")
+    _bars(right, algorithms, PLOT_ALGORITHMS, lambda r: r["case"].replace(" 8-bit", ""), "every graphsafe algorithm")
+    figure.suptitle(run_title(environment, "optimizer step, % of the memory floor"), fontsize="medium")
+    return figure
+
+
+def _bars(axes, records: list[dict], series: dict, row_of, title: str) -> None:
+    """Horizontal bars: one row per case (in record order), one bar per series present, the floor at 100%."""
+    axes.set_title(title, fontsize="medium")
+    if not records:
+        return nothing_measured(axes)
+    rows = list(dict.fromkeys(row_of(r) for r in records))
+    present = [key for key in series if any((r["group"], r["method"]) == key for r in records)]
+    height = 0.8 / len(present)
+    for k, key in enumerate(present):
+        values = {row_of(r): r["pct_copy_bw"] for r in records if (r["group"], r["method"]) == key}
+        offset = (k - (len(present) - 1) / 2) * height
+        label, color = series[key]
+        axes.barh([i + offset for i, row in enumerate(rows) if row in values],
+                  [values[row] for row in rows if row in values], height=height, color=color, label=label)
+    axes.axvline(100, color="black", linewidth=1, label="memory floor")
+    axes.set_yticks(range(len(rows)), rows, fontsize="small")
+    axes.set_ylim(len(rows) - 0.5, -0.5)  # the first case on top
+    axes.set_xlabel("% of the memory floor (min bytes / copy bandwidth ÷ time)")
+    axes.grid(True, axis="x", alpha=0.3)
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncols=2, fontsize="small")

@@ -13,15 +13,13 @@ update from a fresh table equals graphsafe's dense skip_zeros update bitwise (pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 import graphsafe.ops
 import graphsafe.optim
 
 from .harness import BenchContext, Suite, Target, register_suite
-from .indices import uniform_indices, zipf_indices
+from .indices import TableCase
 from .report import first_line, fmt_bool, fmt_ms, markdown_table
 from .timing import synchronize, time_function
 
@@ -31,22 +29,12 @@ LR = 1e-3
 SPEEDUP_TARGET = 20.0
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    num_weights: int
-    dim: int
-    dtype: torch.dtype
-    tokens: int
-    zipf: bool
-
-
-def cases(ctx: BenchContext) -> list[Case]:
+def cases(ctx: BenchContext) -> list[TableCase]:
     if ctx.quick:
-        return [Case("recsys-zipf (quick)", 65536, 32, torch.float32, 8192, True),
-                Case("llm-vocab (quick)", 8192, 64, torch.bfloat16, 1024, False)]
-    return [Case("recsys-zipf", 4 * 1024 * 1024, 128, torch.float32, 262144, True),
-            Case("llm-vocab", 128256, 4096, torch.bfloat16, 16384, False)]
+        return [TableCase("recsys-zipf (quick)", 65536, 32, torch.float32, 8192, True),
+                TableCase("llm-vocab (quick)", 8192, 64, torch.bfloat16, 1024, False)]
+    return [TableCase("recsys-zipf", 4 * 1024 * 1024, 128, torch.float32, 262144, True),
+            TableCase("llm-vocab", 128256, 4096, torch.bfloat16, 16384, False)]
 
 
 def _update(method: str, weight: torch.nn.Parameter, indices: torch.Tensor, grad: torch.Tensor):
@@ -84,7 +72,7 @@ def _update(method: str, weight: torch.nn.Parameter, indices: torch.Tensor, grad
     return graph.replay, opt
 
 
-def _sparse_equals_dense(case: Case, start: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> bool:
+def _sparse_equals_dense(case: TableCase, start: torch.Tensor, indices: torch.Tensor, grad: torch.Tensor) -> bool:
     tables = [torch.nn.Parameter(start.clone()) for _ in range(2)]
     (dense, dense_opt), (sparse, sparse_opt) = (_update(m, t, indices, grad) for m, t in
                                                 zip(("graphsafe dense", "graphsafe sparse 32-bit"), tables))
@@ -98,18 +86,16 @@ def run(ctx: BenchContext) -> list[dict]:
     records = []
     for case in cases(ctx):
         gen = torch.Generator().manual_seed(ctx.seed)
-        make = zipf_indices if case.zipf else uniform_indices
-        indices = make(case.num_weights, case.tokens, ctx.seed).to(ctx.device)
-        grad = torch.randn((case.tokens, case.dim), generator=gen).to(case.dtype).to(ctx.device)
+        indices = case.indices(ctx.seed).to(ctx.device)
+        grad = case.grad(gen).to(ctx.device)
         start = (torch.randn((case.num_weights, case.dim), generator=gen) * 0.1).to(case.dtype).to(ctx.device)
         distinct = int(torch.unique(indices).numel())
         equal = _sparse_equals_dense(case, start, indices, grad)
         for method in METHODS:
             if method.endswith("replay") and ctx.device.type != "cuda":
                 continue
-            record = dict(record="measurement", suite="sparse", case=case.name, method=method,
-                          num_weights=case.num_weights, dim=case.dim, dtype=str(case.dtype).removeprefix("torch."),
-                          tokens=case.tokens, distinct_rows=distinct, sparse_equals_dense=equal)
+            record = dict(record="measurement", suite="sparse", case=case.name, method=method, **case.fields(),
+                          distinct_rows=distinct, sparse_equals_dense=equal)
             try:
                 weight = torch.nn.Parameter(start.clone())
                 update, opt = _update(method, weight, indices, grad)

@@ -12,7 +12,6 @@ import contextlib
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -25,6 +24,8 @@ from . import parallel
 from .data import LMData, RecsysData
 from .models import MixtureOfExperts, RecsysModel, TransformerLM, lm_loss, recsys_loss
 from .parallel import PARALLEL_MODES, ParallelContext
+from .plot import FORMATS as PLOT_FORMATS, plot_training, require_matplotlib
+from .progress import Progress
 
 __all__ = ["TrainConfig", "TrainResult", "ConfigError", "check_config", "train", "OPTIMIZERS", "MATMUL_PRECISIONS",
            "default_config", "matmul_precision"]
@@ -95,6 +96,7 @@ class TrainConfig:
     compare_torch: bool = False
     progress: bool = True
     parallel: str = "none"  # "ddp" or "fsdp2": data parallel over the ranks of the process group (parallel.py)
+    plot: str | None = None  # a file for the loss and step-time curves of every method run (plot.py; needs matplotlib)
 
 
 def default_config(device: str, **overrides) -> TrainConfig:
@@ -131,6 +133,9 @@ def check_config(config: TrainConfig) -> None:
             raise ConfigError(f"--parallel fsdp2 cannot run --mode {config.mode}: FSDP2's collectives run in module "
                               "hooks that compile_step cannot trace, so its step runs eagerly (use --mode auto or "
                               "eager, or --parallel ddp to capture)")
+    if config.plot is not None and os.path.splitext(config.plot)[1].lower() not in PLOT_FORMATS:
+        raise ConfigError(f"--plot FILE must end in {', '.join(PLOT_FORMATS[:-1])} or {PLOT_FORMATS[-1]}, "
+                          f"got {config.plot!r}")
     if config.lr is not None and not (math.isfinite(config.lr) and config.lr > 0):
         raise ConfigError(f"--lr must be a positive finite number, got {config.lr}")
     if not SEED_RANGE[0] <= config.seed <= SEED_RANGE[1]:
@@ -312,20 +317,6 @@ def _run_loop(step_fn: Callable, data, steps: int, device: torch.device, show: C
     return stats
 
 
-class _Progress:
-    """One line rewritten in place on a terminal; plain lines otherwise (logs, pipes, tests)."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps, self.tty = steps, sys.stdout.isatty()
-
-    def __call__(self, i: int, loss: float, ms: float) -> None:
-        line = f"step {i:>5}/{self.steps}  loss {loss:8.4f}  {ms:8.2f} ms"
-        if self.tty:
-            print("\r" + line, end="\n" if i == self.steps else "", flush=True)
-        else:
-            print(line, flush=True)
-
-
 def _graph_run(config: TrainConfig, show=None, mode: str | None = None, ctx: ParallelContext | None = None) -> TrainResult:
     model, data, loss_fn, inputs, what = _build(config, ctx)
     trained = parallel.wrap_model(model, ctx) if ctx is not None else model
@@ -396,18 +387,25 @@ def train(config: TrainConfig) -> TrainResult:
     --nproc, else a world of one): rank 0 prints, and the result of every rank is returned. The process group stays
     up (the result's model holds it): parallel.finish() leaves it once the result is dropped."""
     check_config(config)
+    if config.plot is not None:  # a missing matplotlib is said before training, not after
+        require_matplotlib()
     ctx = parallel.start(config.parallel, config.device) if config.parallel != "none" else None
     if ctx is not None:
         config = replace(config, device=ctx.device)
     device = torch.device(config.device)
     matmul = f", {config.matmul} matmuls" if device.type == "cuda" else ""
-    where = f"{ctx.world_size} x {device.type} ({config.parallel})" if ctx is not None else str(device)
-    _print_main(ctx, f"graphsafe train: {config.model}{' + MoE' if config.moe else ''} on {where}{matmul}, "
+    _print_main(ctx, f"graphsafe train: {_run_name(config, ctx)}{matmul}, "
                 f"{config.optimizer} (state_bits={config.state_bits}, skip_zeros={config.skip_zeros}"
                 f"{'; embedding tables skip_zeros=True for --sparse-updates' if tables_skip_zeros(config) else ''}), "
                 f"mode={config.mode}, {config.steps} steps, seed {config.seed}")
     with matmul_precision(config):
         return _train(config, ctx)
+
+
+def _run_name(config: TrainConfig, ctx: ParallelContext | None) -> str:
+    device = torch.device(config.device)
+    where = f"{ctx.world_size} x {device.type} ({config.parallel})" if ctx is not None else str(device)
+    return f"{config.model}{' + MoE' if config.moe else ''} on {where}"
 
 
 def _print_main(ctx: ParallelContext | None, text: str) -> None:
@@ -416,11 +414,16 @@ def _print_main(ctx: ParallelContext | None, text: str) -> None:
 
 
 def _train(config: TrainConfig, ctx: ParallelContext | None = None) -> TrainResult:
-    result = _graph_run(config, _Progress(config.steps) if config.progress else None, ctx=ctx)
+    shown = config.progress and (ctx is None or ctx.is_main)
+    with Progress(config.steps) if shown else contextlib.nullcontext() as show:
+        result = _graph_run(config, show, ctx=ctx)
     step = result.step
+    # Every method's per-step losses and times, by the name the plot's legend gives it.
+    curves = result.extra["curves"] = {f"graphsafe ({_mode_label(config, step)[1]})": result.stats}
     if step.captured:  # the same traced graph without capture, for the eager-vs-captured line
         eager = _graph_run(replace(config, steps=min(config.steps, 20)), mode="eager", ctx=ctx)
         result.extra["eager_time"] = eager.stats.step_time(1, "the trace")
+        curves["graphsafe (same graph, eager)"] = eager.stats
     if ctx is not None:
         comm_ms, what = parallel.communication_ms(step, result.model, ctx)
         result.extra["communication"] = (comm_ms, what)
@@ -438,11 +441,16 @@ def _train(config: TrainConfig, ctx: ParallelContext | None = None) -> TrainResu
                                        else f"DIFFERENT: {differing} of {len(pairs)} parameter tensors differ")
     if config.compare_torch:
         torch_stats, torch_opt = _torch_baseline(config, ctx)
+        curves["PyTorch eager (AdamW)"] = torch_stats
         result.extra["torch_time"] = torch_stats.step_time(1, "warm-up")
         result.extra["torch_final_loss"] = torch_stats.losses[-1]
         result.extra["torch_state_bytes"] = optim.state_bytes(torch_opt)
     result.extra["parallel"] = ctx
     _print_main(ctx, summary(result))
+    if config.plot is not None and (ctx is None or ctx.is_main):
+        plot_training(curves, f"graphsafe train: {_run_name(config, ctx)}, {config.optimizer} "
+                      f"({config.state_bits}-bit states), seed {config.seed}", config.plot)
+        _print_main(ctx, f"plot: {config.plot}")
     return result
 
 
