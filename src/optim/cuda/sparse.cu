@@ -195,24 +195,28 @@ __device__ int64_t divide(int64_t a, int64_t b) {
 // A work item of the 8-bit kernel: quantisation block b (elements start, ...), its first element's row and
 // column, and `slot`, the list entry of the first listed row that touches it (the item's owner).
 struct QuantizedItem {
-  int64_t slot, b, start, first_row;
+  int64_t slot, row, b, start, first_row;  // row: the slot's
   uint32_t first_column;  // < row_length
 };
 
 // The list entries of a block's rows, walked forward from the item's slot: rows increase along the list, and
 // each thread asks for its elements' rows in increasing order, so `listed` (rows[j], or INT64_MAX past the end
-// of the list) is read once per entry passed, not once per element.
+// of the list) is read once per entry passed, not once per element. The entry after j is read ahead (`next`), so
+// that a block of two rows (the recommender's rows of 128 in blocks of 256) finds its second row's entry without
+// waiting for a load between the block's own loads and that row's gradient.
 struct EntryCursor {
   const int64_t* rows;
-  int64_t count, j, listed;
+  int64_t count, j, listed, next;
 
-  __device__ EntryCursor(const SparseRows& r, int64_t count, int64_t slot)
-      : rows(r.rows), count(count), j(slot), listed(r.rows[slot]) {}
+  __device__ EntryCursor(const SparseRows& r, int64_t count, int64_t slot, int64_t row)
+      : rows(r.rows), count(count), j(slot), listed(row), next(entry_row(slot + 1)) {}
+  __device__ int64_t entry_row(int64_t k) const { return k < count ? rows[k] : INT64_MAX; }
   // Whether element_row is listed (at entry j then).
   __device__ bool find(int64_t element_row) {
     while (listed < element_row) {
       ++j;
-      listed = j < count ? rows[j] : INT64_MAX;
+      listed = next;
+      next = entry_row(j + 1);
     }
     return listed == element_row;
   }
@@ -247,7 +251,7 @@ __device__ void step_whole_block(const OptimOptions& o, const Coefficients& k, c
   const T* row_grads = static_cast<const T*>(r.row_grads);
   float g[V], p[V], s[V][4] = {};
   Pack<T, kPiece> p_raw[kPieces];  // skipped elements are stored back with their own bits
-  EntryCursor entry(r, count, item.slot);
+  EntryCursor entry(r, count, item.slot, item.row);
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
     p_raw[i] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(param + i * kPieceStride));
@@ -315,7 +319,7 @@ __device__ void step_block_elementwise(const OptimOptions& o, const Coefficients
   const T* row_grads = static_cast<const T*>(r.row_grads);
   float g[V], p[V], s[V][4];
   bool present[V], updated[V];
-  EntryCursor entry(r, count, item.slot);
+  EntryCursor entry(r, count, item.slot, item.row);
 #pragma unroll
   for (int m = 0; m < V; ++m) {
     g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
@@ -363,8 +367,10 @@ __device__ void step_block_elementwise(const OptimOptions& o, const Coefficients
 // updated, the states requantised with quantize_block's absmax and codes. `whole`: blocks of whole warps, rows
 // and pointers fit for pieces (launch_sparse_quantized_step); then every block inside the tensor takes
 // step_whole_block. Rows are at most INT32_MAX long (the launch checks): columns are 32-bit.
+// Registers capped as the dense 8-bit kernels' (QuantizedLoopPolicy): the kernel waits on memory at each item, and
+// more resident warps hide more of it.
 template <class T, int States, OptimAlgorithm A, class Math>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, QuantizedLoopPolicy::kMinBlocksPerSM)
     sparse_quantized_kernel(OptimOptions options, LearningRate lr, SparseTarget t, SparseRows r,
                             const unsigned long long* valid_rows, int block_size, int64_t blocks_per_row, bool whole) {
   const float rate = *lr.value;
@@ -381,12 +387,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t item = int64_t(blockIdx.x) * teams_per_block + threadIdx.x / team.threads;
        item < count * blocks_per_row; item += int64_t(gridDim.x) * teams_per_block) {
     const int64_t slot = divide(item, blocks_per_row);
-    const int64_t row_start = r.rows[slot] * d;
+    const int64_t row = r.rows[slot], previous = slot > 0 ? r.rows[slot - 1] : -1;  // both loads at once
+    const int64_t row_start = row * d;
     const int64_t b = (row_start >> block_shift) + (item - slot * blocks_per_row);
-    if (b > (row_start + d - 1) >> block_shift) continue;                                  // past the row
-    if (slot > 0 && (r.rows[slot - 1] * d + d - 1) >> block_shift >= b) continue;  // the previous entry's block
+    if (b > (row_start + d - 1) >> block_shift) continue;                           // past the row
+    if (previous >= 0 && (previous * d + d - 1) >> block_shift >= b) continue;  // the previous entry's block
     const int64_t start = b << block_shift, first_row = divide(start, d);
-    const QuantizedItem it{slot, b, start, first_row, static_cast<uint32_t>(start - first_row * d)};
+    const QuantizedItem it{slot, row, b, start, first_row, static_cast<uint32_t>(start - first_row * d)};
     if (whole && start + block_size <= t.numel) step_whole_block<T, States, A, Math>(o, k, t, r, count, it, team, member, scratch);
     else step_block_elementwise<T, States, A, Math>(o, k, t, r, count, it, team, member, scratch);
   }
@@ -459,8 +466,11 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
   const SparseRows r = rows_of(g);
   const LearningRate lr = learning_rate(a);
   const OptimOptions& o = a.options;
-  // A row of d elements touches at most ceil(d / block_size) + 1 blocks.
-  const int64_t blocks_per_row = (g.row_length + a.block_size - 1) / a.block_size + 1;
+  // A row of d elements touches at most ceil(d / block_size) + 1 blocks; exactly ceil(d / block_size) when one of
+  // d and block_size divides the other (no block boundary falls inside a row but at multiples of the block size
+  // from its start). Items past a row's last block are work the kernel skips, each at the cost of a load.
+  const int64_t d = g.row_length, bs = a.block_size;
+  const int64_t blocks_per_row = (d + bs - 1) / bs + (d % bs == 0 || bs % d == 0 ? 0 : 1);
   const QuantizedTeam team(a.block_size);
   const int threads = team.block_threads();
   const int64_t blocks = grid_of((g.capacity * blocks_per_row + threads / team.threads - 1) / (threads / team.threads));
