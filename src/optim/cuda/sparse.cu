@@ -192,10 +192,27 @@ __device__ int64_t divide(int64_t a, int64_t b) {
   return a / b;
 }
 
+// The list entries around an item's slot: the previous entry's row (-1 for the first), the slot's, the next one's
+// (INT64_MAX past the list's end). The kernel loads them for its next item while it works on the current one, so
+// an item starts without waiting for them.
+struct ItemRows {
+  int64_t slot = 0, previous = -1, row = -1, next = INT64_MAX;
+};
+
+__device__ ItemRows load_item_rows(const SparseRows& r, int64_t count, int64_t slot) {
+  ItemRows x;
+  x.slot = slot;
+  x.previous = slot > 0 ? r.rows[slot - 1] : -1;
+  x.row = r.rows[slot];
+  if (slot + 1 < count) x.next = r.rows[slot + 1];
+  return x;
+}
+
 // A work item of the 8-bit kernel: quantisation block b (elements start, ...), its first element's row and
-// column, and `slot`, the list entry of the first listed row that touches it (the item's owner).
+// column, and the list entries around rows.slot, the entry of the first listed row that touches it (its owner).
 struct QuantizedItem {
-  int64_t slot, row, b, start, first_row;  // row: the slot's
+  ItemRows rows;
+  int64_t b, start, first_row;
   uint32_t first_column;  // < row_length
 };
 
@@ -208,15 +225,14 @@ struct EntryCursor {
   const int64_t* rows;
   int64_t count, j, listed, next;
 
-  __device__ EntryCursor(const SparseRows& r, int64_t count, int64_t slot, int64_t row)
-      : rows(r.rows), count(count), j(slot), listed(row), next(entry_row(slot + 1)) {}
-  __device__ int64_t entry_row(int64_t k) const { return k < count ? rows[k] : INT64_MAX; }
+  __device__ EntryCursor(const SparseRows& r, int64_t count, const ItemRows& x)
+      : rows(r.rows), count(count), j(x.slot), listed(x.row), next(x.next) {}
   // Whether element_row is listed (at entry j then).
   __device__ bool find(int64_t element_row) {
     while (listed < element_row) {
       ++j;
       listed = next;
-      next = entry_row(j + 1);
+      next = j + 1 < count ? rows[j + 1] : INT64_MAX;
     }
     return listed == element_row;
   }
@@ -251,7 +267,7 @@ __device__ void step_whole_block(const OptimOptions& o, const Coefficients& k, c
   const T* row_grads = static_cast<const T*>(r.row_grads);
   float g[V], p[V], s[V][4] = {};
   Pack<T, kPiece> p_raw[kPieces];  // skipped elements are stored back with their own bits
-  EntryCursor entry(r, count, item.slot, item.row);
+  EntryCursor entry(r, count, item.rows);
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
     p_raw[i] = load_streaming(reinterpret_cast<const Pack<T, kPiece>*>(param + i * kPieceStride));
@@ -319,7 +335,7 @@ __device__ void step_block_elementwise(const OptimOptions& o, const Coefficients
   const T* row_grads = static_cast<const T*>(r.row_grads);
   float g[V], p[V], s[V][4];
   bool present[V], updated[V];
-  EntryCursor entry(r, count, item.slot, item.row);
+  EntryCursor entry(r, count, item.rows);
 #pragma unroll
   for (int m = 0; m < V; ++m) {
     g[m] = p[m] = s[m][0] = s[m][1] = s[m][2] = s[m][3] = 0.0f;
@@ -384,16 +400,18 @@ __global__ void __launch_bounds__(kThreads, QuantizedLoopPolicy::kMinBlocksPerSM
   const int teams_per_block = blockDim.x / team.threads, member = threadIdx.x % team.threads;
   const int block_shift = __ffs(block_size) - 1;  // a power of two
   const int64_t d = r.row_length, count = rows_in_use(r, valid_rows);
-  for (int64_t item = int64_t(blockIdx.x) * teams_per_block + threadIdx.x / team.threads;
-       item < count * blocks_per_row; item += int64_t(gridDim.x) * teams_per_block) {
-    const int64_t slot = divide(item, blocks_per_row);
-    const int64_t row = r.rows[slot], previous = slot > 0 ? r.rows[slot - 1] : -1;  // both loads at once
-    const int64_t row_start = row * d;
-    const int64_t b = (row_start >> block_shift) + (item - slot * blocks_per_row);
-    if (b > (row_start + d - 1) >> block_shift) continue;                           // past the row
-    if (previous >= 0 && (previous * d + d - 1) >> block_shift >= b) continue;  // the previous entry's block
+  const int64_t items = count * blocks_per_row, stride = int64_t(gridDim.x) * teams_per_block;
+  int64_t item = int64_t(blockIdx.x) * teams_per_block + threadIdx.x / team.threads;
+  ItemRows rows = item < items ? load_item_rows(r, count, divide(item, blocks_per_row)) : ItemRows{};
+  for (; item < items; item += stride) {
+    const ItemRows current = rows;
+    if (item + stride < items) rows = load_item_rows(r, count, divide(item + stride, blocks_per_row));  // ahead
+    const int64_t row_start = current.row * d;
+    const int64_t b = (row_start >> block_shift) + (item - current.slot * blocks_per_row);
+    if (b > (row_start + d - 1) >> block_shift) continue;  // past the row
+    if (current.previous >= 0 && (current.previous * d + d - 1) >> block_shift >= b) continue;  // the previous entry's
     const int64_t start = b << block_shift, first_row = divide(start, d);
-    const QuantizedItem it{slot, row, b, start, first_row, static_cast<uint32_t>(start - first_row * d)};
+    const QuantizedItem it{current, b, start, first_row, static_cast<uint32_t>(start - first_row * d)};
     if (whole && start + block_size <= t.numel) step_whole_block<T, States, A, Math>(o, k, t, r, count, it, team, member, scratch);
     else step_block_elementwise<T, States, A, Math>(o, k, t, r, count, it, team, member, scratch);
   }
