@@ -293,7 +293,8 @@ __device__ void step_whole_block(const OptimOptions& o, const Coefficients& k, c
       for (int e = 0; e < kPiece; ++e) s[i * kPiece + e][q] = dequantize_value(map, c.v[e], absmax);
     }
   }
-  bool any = false;
+  bool updated[kPieces] = {};  // per piece: a piece of an unlisted row (the other half of a shared block) is not
+                               // stored back
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     if (skipped(o, g[e])) continue;
@@ -302,11 +303,14 @@ __device__ void step_whole_block(const OptimOptions& o, const Coefficients& k, c
     p_raw[e / kPiece].v[e % kPiece] = ElementTraits<T>::store(p[e]);
 #pragma unroll
     for (int q = 0; q < States; ++q) s[e][q] = st[q];
-    any = true;
+    updated[e / kPiece] = true;
   }
-  if (any) {
+  bool any = false;
 #pragma unroll
-    for (int i = 0; i < kPieces; ++i) store_streaming(reinterpret_cast<Pack<T, kPiece>*>(param + i * kPieceStride), p_raw[i]);
+  for (int i = 0; i < kPieces; ++i) {
+    if (!updated[i]) continue;
+    store_streaming(reinterpret_cast<Pack<T, kPiece>*>(param + i * kPieceStride), p_raw[i]);
+    any = true;
   }
   if (team_max(any ? 1u : 0u, team, scratch) == 0) return;  // an all-skipped block keeps codes and absmax
   constexpr bool kAll[V] = {true, true, true, true, true, true, true, true};
