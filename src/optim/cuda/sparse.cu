@@ -512,7 +512,9 @@ void optim_detail::launch_sparse_quantized_step(const OptimStepArgs& a, const Op
           // The dense 8-bit kernels' choice of Math (quantized_elementwise.cu), so that the bits are theirs.
           const auto kernel = takes_roots(A) && fast_math_applies(o) ? &sparse_quantized_kernel<T, States, A, FastMath>
                                                                      : &sparse_quantized_kernel<T, States, A, ExactMath>;
-          GS_LAUNCH(kernel, blocks, threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row, whole);
+          // As many blocks as fit on the GPU at once (each loops over items): no last partial wave of blocks.
+          GS_LAUNCH(kernel, grid_for(kernel, blocks, threads), threads, stream, o, lr, t, r, valid_rows, b, blocks_per_row,
+                    whole);
           GS_CUDA_CHECK_LAUNCH();
         }
       });
