@@ -14,6 +14,7 @@
 #include "graphsafe/optim.h"
 #include "optim/backend.h"
 #include "optim/blockwise.h"
+#include "optim/cpu_quantize.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
 #include "optim/sparse.h"
@@ -84,13 +85,15 @@ struct ElementView {
 
 constexpr int kTile = 256;
 
-// Applies rule(o, k, g, p, s) to every element whose gradient is not skipped, in tiles of kTile elements with three
-// loops each, so that the compiler vectorises them: which elements are skipped; the rule on every element (their
-// loaded bits kept); then each element's new values or, if skipped, its loaded bits (a skipped NaN parameter or
-// 16-bit state keeps its exact payload). In one loop it did not vectorise: the compiler turns a select of the value
-// just loaded from the same place into a conditional store, and the test of the gradient into branches. Each
-// range works on its own copies of the options and coefficients: read through references, a store to a parameter
-// or state might change them (as far as the compiler knows).
+// Applies rule(o, k, g, p, s) to every element whose gradient is not skipped. Without skip_zeros, in one loop that
+// loads, updates and stores each element (no copies of tiles: the step is bound by memory traffic and division). With
+// it, in tiles of kTile elements with three loops each, so that the compiler vectorises them: which elements are
+// skipped; the rule on every element (their loaded bits kept); then each element's new values or, if skipped, its
+// loaded bits (a skipped NaN parameter or 16-bit state keeps its exact payload). Written as one loop, the skipping
+// did not vectorise: the compiler turns a select of the value just loaded from the same place into a conditional
+// store, and the test of the gradient into branches. Each range works on its own copies of the options and
+// coefficients: read through references, a store to a parameter or state might change them (as far as the compiler
+// knows).
 template <class T, class S, int States, class Rule>
 GS_CPU_VECTOR_CLONES void update_range(const OptimOptions& o, const Coefficients& k, const ElementView<T, S, States>& e,
                                        Rule rule, int64_t begin, int64_t end) {
@@ -101,6 +104,16 @@ GS_CPU_VECTOR_CLONES void update_range(const OptimOptions& o, const Coefficients
   const T* const grad = static_cast<const T*>(e.t.grad);
   S* state[kSlots] = {};
   for (int j = 0; j < States; ++j) state[j] = e.state(j);
+  if (!options.skip_zeros) {
+    for (int64_t i = begin; i < end; ++i) {
+      float p = ElementTraits<T>::load(param[i]), s[4] = {};
+      for (int j = 0; j < States; ++j) s[j] = ElementTraits<S>::load(state[j][i]);
+      rule(options, coefficients, ElementTraits<T>::load(grad[i]), p, s);
+      param[i] = ElementTraits<T>::store(p);
+      for (int j = 0; j < States; ++j) state[j][i] = ElementTraits<S>::store(s[j]);
+    }
+    return;
+  }
   int32_t keep[kTile];
   T p_before[kTile], p_after[kTile];
   S s_before[kSlots][kTile], s_after[kSlots][kTile];
@@ -138,11 +151,8 @@ template <class T, int States, class Visit>
 void visit_quantized_block(const OptimOptions& o, const OptimTensor& t, int block_size, int64_t b, Visit visit) {
   const int64_t begin = b * block_size, end = std::min(t.numel, begin + block_size);
   float values[4][1024];
-  for (int j = 0; j < States; ++j) {
-    const QuantizationMap& map = host_quantization_map(state_is_signed(o, j));
-    const float scale = t.absmax[j][b];
-    for (int64_t i = begin; i < end; ++i) values[j][i - begin] = dequantize_value(map, t.codes[j][i], scale);
-  }
+  for (int j = 0; j < States; ++j)
+    dequantize_codes(state_is_signed(o, j), t.codes[j] + begin, t.absmax[j][b], end - begin, values[j]);
   const T* const param = static_cast<const T*>(t.param);
   const T* const grad = static_cast<const T*>(t.grad);
   for (int64_t i = begin; i < end; ++i) {
@@ -153,12 +163,16 @@ void visit_quantized_block(const OptimOptions& o, const OptimTensor& t, int bloc
 }
 
 // The writing pass over quantisation block `b` for an element-wise rule(o, k, g, p, s), in loops the compiler
-// vectorises (as update_range's): the states dequantised; which elements are skipped; the rule on every element;
-// each element's new values or, if skipped, its old ones; then, if any element was updated, the states
-// requantised (new absmax, new codes). An all-skipped block keeps its codes and absmax bit-identical.
+// vectorises (as update_range's), between the SIMD loops of cpu_quantize.h: the states dequantised; with skip_zeros,
+// which elements are skipped; the rule on every element; each element's new values or, if skipped, its old ones
+// (with no element skipped, the rule's loop stores the new values itself: the same bits, one loop fewer); then the
+// states requantised. The loop that leaves the new values also gathers each state's absmax key (absmax_step's, an
+// unsigned max in any order), so requantising reads them once. An all-skipped block keeps its codes and absmax
+// bit-identical.
 template <class T, int States, class Rule>
 GS_CPU_VECTOR_CLONES void update_quantized_block(const OptimOptions& o, const Coefficients& k, const OptimTensor& t,
                                                  int block_size, int64_t b, Rule rule) {
+  constexpr int kSlots = States > 0 ? States : 1;
   const OptimOptions options = o;
   const Coefficients coefficients = k;
   const int64_t begin = b * block_size;
@@ -168,33 +182,50 @@ GS_CPU_VECTOR_CLONES void update_quantized_block(const OptimOptions& o, const Co
   float values[4][1024], updated[4][1024];
   int32_t keep[1024];
   T p_after[1024];
-  for (int j = 0; j < States; ++j) {
-    const float* map = host_quantization_map(state_is_signed(options, j)).value;
-    const float scale = t.absmax[j][b];
-    const uint8_t* codes = t.codes[j] + begin;
-    for (int i = 0; i < n; ++i) values[j][i] = dequantize_value(map, codes[i], scale);
-  }
+  uint32_t key[kSlots] = {};  // the bits of absmax_key(value): 2 * bits + kFiniteKeyOffset
   int32_t skipped_count = 0;
-  for (int i = 0; i < n; ++i) {
-    keep[i] = skipped(options, ElementTraits<T>::load(grad[i])) ? 1 : 0;
-    skipped_count += keep[i];
+  if (options.skip_zeros) {
+    for (int i = 0; i < n; ++i) {
+      keep[i] = skipped(options, ElementTraits<T>::load(grad[i])) ? 1 : 0;
+      skipped_count += keep[i];
+    }
+    if (skipped_count == n) return;  // all skipped: codes and absmax stay bit-identical
   }
-  if (skipped_count == n) return;  // all skipped: codes and absmax stay bit-identical
-  for (int i = 0; i < n; ++i) {
-    float p = ElementTraits<T>::load(param[i]), s[4] = {};
-    for (int j = 0; j < States; ++j) s[j] = values[j][i];
-    rule(options, coefficients, ElementTraits<T>::load(grad[i]), p, s);
-    p_after[i] = ElementTraits<T>::store(p);
-    for (int j = 0; j < States; ++j) updated[j][i] = s[j];
-  }
-  for (int i = 0; i < n; ++i) {
-    param[i] = keep[i] ? param[i] : p_after[i];
-    for (int j = 0; j < States; ++j) values[j][i] = keep[i] ? values[j][i] : updated[j][i];
+  for (int j = 0; j < States; ++j)
+    dequantize_codes(state_is_signed(options, j), t.codes[j] + begin, t.absmax[j][b], n, values[j]);
+  if (skipped_count == 0) {
+    for (int i = 0; i < n; ++i) {
+      float p = ElementTraits<T>::load(param[i]), s[4] = {};
+      for (int j = 0; j < States; ++j) s[j] = values[j][i];
+      rule(options, coefficients, ElementTraits<T>::load(grad[i]), p, s);
+      param[i] = ElementTraits<T>::store(p);
+      for (int j = 0; j < States; ++j) {
+        values[j][i] = s[j];
+        key[j] = std::max(key[j], float_bits(s[j]) * 2u + kFiniteKeyOffset);
+      }
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      float p = ElementTraits<T>::load(param[i]), s[4] = {};
+      for (int j = 0; j < States; ++j) s[j] = values[j][i];
+      rule(options, coefficients, ElementTraits<T>::load(grad[i]), p, s);
+      p_after[i] = ElementTraits<T>::store(p);
+      for (int j = 0; j < States; ++j) updated[j][i] = s[j];
+    }
+    for (int i = 0; i < n; ++i) {
+      param[i] = keep[i] ? param[i] : p_after[i];
+      for (int j = 0; j < States; ++j) {
+        values[j][i] = keep[i] ? values[j][i] : updated[j][i];
+        key[j] = std::max(key[j], float_bits(values[j][i]) * 2u + kFiniteKeyOffset);
+      }
+    }
   }
   for (int j = 0; j < States; ++j) {
     const bool is_signed = state_is_signed(options, j);
-    t.absmax[j][b] =
-        quantize_block(host_quantization_map(is_signed).code_word, is_signed, values[j], n, t.codes[j] + begin);
+    const float absmax = absmax_finish(bits_float(key[j]));
+    quantize_with_absmax(host_quantization_map(is_signed).code_word, is_signed, values[j], n, absmax,
+                         t.codes[j] + begin);
+    t.absmax[j][b] = absmax;
   }
 }
 
@@ -456,15 +487,17 @@ void quantize_blockwise_cpu(const float* x, int64_t numel, int block_size, bool 
   const QuantizationMap& map = host_quantization_map(is_signed);
   for_each_index(block_count(numel, block_size), numel, [&](int64_t b) {
     const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
-    absmax[b] = quantize_block(map.code_word, is_signed, x + begin, end - begin, codes + begin);
+    absmax[b] = quantize_values(map.code_word, is_signed, x + begin, end - begin, codes + begin);
   });
 }
 
 void dequantize_blockwise_cpu(const uint8_t* codes, const float* absmax, int64_t numel, int block_size,
                               bool is_signed, float* out) {
   check_block_size("dequantize_blockwise", block_size);
-  const QuantizationMap& map = host_quantization_map(is_signed);
-  for_each_index(numel, numel, [&](int64_t i) { out[i] = dequantize_value(map, codes[i], absmax[i / block_size]); });
+  for_each_index(block_count(numel, block_size), numel, [&](int64_t b) {
+    const int64_t begin = b * block_size, end = std::min(numel, begin + block_size);
+    dequantize_codes(is_signed, codes + begin, absmax[b], end - begin, out + begin);
+  });
 }
 
 void optim_step_cpu(const OptimStepArgs& a, const OptimTensor* tensors, int count, void* workspace,
