@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .causal_attention import CausalAttentionReport, drop_constant_causal_masks
 from .capture import (AutogradRunner, CaptureError, CaptureRunner, EagerRunner, FullCaptureRunner,
                       PiecewiseCaptureRunner, check_batch, written_buffers)
 from .data_parallel import DataParallelPlan, resolve_data_parallel, sharded_findings
@@ -46,13 +47,15 @@ class StepReport:
     data_parallel: DataParallelPlan | None = None
     traced: bool = True  # False: a model compile_step cannot trace (FSDP2), run through autograd
     sparse_update: SparseUpdateReport = field(default_factory=SparseUpdateReport)
+    causal_attention: CausalAttentionReport = field(default_factory=CausalAttentionReport)
 
     def __str__(self) -> str:
         parts = [f"mode: {self.mode} (requested {self.requested_mode}) - {self.decision}"]
         parts += [f"fallback: {f}" for f in self.fallbacks]
         if self.data_parallel is not None:
             parts.append(str(self.data_parallel))
-        parts += [str(self.rewrite), str(self.sparse_update), str(self.gate), str(self.partition)]
+        parts += [str(self.rewrite), str(self.causal_attention), str(self.sparse_update), str(self.gate),
+                  str(self.partition)]
         return "\n".join(parts)
 
 
@@ -134,6 +137,7 @@ class CompiledStep:
             return self._prepare_untraced(batch)
         traced = self._trace(batch)
         gm, rewrite = rewrite_embedding_backward(traced.graph_module)
+        gm, causal = drop_constant_causal_masks(gm)  # on rewrite_embedding_backward's copy
         if self.sparse_updates:
             gm, sparse = fuse_sparse_embedding_update(gm, traced, self.optimizer)
         else:
@@ -141,7 +145,7 @@ class CompiledStep:
         _, gate = capture_gate(gm, self.device)
         split, partition = partition_for_capture(gm, gate, self.device)
         self.report = StepReport(self.requested_mode, self.device, rewrite, gate, partition,
-                                 data_parallel=self.data_parallel, sparse_update=sparse)
+                                 data_parallel=self.data_parallel, sparse_update=sparse, causal_attention=causal)
         mode, decision = self._choose_mode(gate, partition)  # may refuse the mode: then nothing is kept
         self.traced, self.graph_module, self.regions = traced, gm, split.regions
         self.layout = OutputLayout(traced.grad_params, sparse.fused_indices)
