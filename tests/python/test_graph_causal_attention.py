@@ -65,23 +65,28 @@ def batches(n, seed=0):
             for _ in range(n)]
 
 
+def run_steps(model, loss, batches, compiled: bool, mode="eager", lr=1e-2):
+    """(compile_step's step or None, the losses, the parameters) after one step per batch, compiled or in a plain
+    eager loop, with graphsafe AdamW."""
+    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=lr)
+    step = graphsafe.compile_step(model, loss, optimizer, mode=mode) if compiled else None
+    losses = []
+    for inputs, targets in batches:
+        if compiled:
+            losses.append(step((inputs, targets)))
+        else:
+            value = loss(model(inputs), targets)
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(value.detach())
+    return step, torch.stack(losses), list(model.parameters())
+
+
 def train(mask, compiled: bool, steps: int = 3, device="cpu", mode="eager"):
     torch.manual_seed(0)
     model = MaskedAttention(mask).to(device)
-    optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-2)
-    step = graphsafe.compile_step(model, loss_fn, optimizer, mode=mode) if compiled else None
-    losses = []
-    for x, t in batches(steps):
-        x, t = x.to(device), t.to(device)
-        if compiled:
-            losses.append(step((x, t)))
-        else:
-            loss = loss_fn(model(x), t)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-    return step, losses, list(model.parameters())
+    return run_steps(model, loss_fn, [(x.to(device), t.to(device)) for x, t in batches(steps)], compiled, mode)
 
 
 @pytest.mark.parametrize("mask", [bool_causal, float_causal, lambda x: float_causal(x, torch.finfo(torch.float32).min)],
@@ -94,8 +99,7 @@ def test_a_constant_causal_mask_becomes_is_causal(mask):
     assert not any("where" in op or "le." in op for op in graph_ops if "attention" not in op), graph_ops
     # The reference: the same model written with is_causal=True, in a plain eager loop.
     _, ref_losses, ref_params = train(None, compiled=False)
-    for a, b in zip(losses, ref_losses):
-        assert_bitwise_equal(a, b, "loss")
+    assert_bitwise_equal(losses, ref_losses, "losses")
     for p, r in zip(params, ref_params):
         assert_bitwise_equal(p.detach(), r.detach(), "parameters")
 
@@ -108,7 +112,7 @@ def test_other_masks_stay(mask, reason):
     report = step.report.causal_attention
     assert not report.rewritten and report.left_alone and reason in report.left_alone[0][1], str(report)
     _, ref_losses, ref_params = train(mask, compiled=False)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    torch.testing.assert_close(losses, ref_losses)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p.detach(), r.detach())
 
@@ -123,12 +127,11 @@ def test_on_cuda_the_efficient_kernel_runs_is_causal_and_the_capture_equals_eage
     report = step.report.causal_attention
     assert len(report.rewritten) == 1 and "efficient_attention" in report.rewritten[0], str(report)
     _, eager_losses, eager_params = train(mask, compiled=True, steps=5, device="cuda", mode="eager")
-    for a, b in zip(losses, eager_losses):
-        assert_bitwise_equal(a, b, "loss")
+    assert_bitwise_equal(losses, eager_losses, "losses")
     for p, r in zip(params, eager_params):
         assert_bitwise_equal(p.detach(), r.detach(), "parameters")
     _, ref_losses, ref_params = train(None, compiled=False, steps=5, device="cuda")
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    torch.testing.assert_close(losses, ref_losses)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p.detach(), r.detach())
 
@@ -145,28 +148,17 @@ def test_an_unmodified_hugging_face_llama_trains_with_is_causal():
     def run(compiled):
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
-        optimizer = graphsafe.optim.AdamW(model.parameters(), lr=1e-3)
-        step = graphsafe.compile_step(model, llama_loss, optimizer, mode="eager") if compiled else None
         gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            ids, targets = torch.randint(0, 300, (2, 16), generator=gen), torch.randint(0, 300, (2, 16), generator=gen)
-            if compiled:
-                losses.append(step((ids, targets)))
-            else:
-                loss = llama_loss(model(ids), targets)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.detach())
-        return step, torch.stack(losses), model
+        data = [(torch.randint(0, 300, (2, 16), generator=gen), torch.randint(0, 300, (2, 16), generator=gen))
+                for _ in range(3)]
+        return run_steps(model, llama_loss, data, compiled, lr=1e-3)
 
-    step, losses, model = run(compiled=True)
+    step, losses, params = run(compiled=True)
     report = step.report.causal_attention
     # Traced with fake tensors, the model materialises a causal mask (one per layer, from one shared pattern): each
     # attention op runs with is_causal instead.
     assert len(report.rewritten) == config.num_hidden_layers and not report.left_alone, str(report)
-    _, ref_losses, ref_model = run(compiled=False)
+    _, ref_losses, ref_params = run(compiled=False)
     torch.testing.assert_close(losses, ref_losses)
-    for p, r in zip(model.parameters(), ref_model.parameters()):
+    for p, r in zip(params, ref_params):
         torch.testing.assert_close(p.detach(), r.detach())
