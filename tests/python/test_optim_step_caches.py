@@ -3,12 +3,15 @@
 The at-once gathering (_prepare_group_at_once) reads some things once and reuses them while they stay as read: the
 parameters' form (_ParamsSeen: read again when a parameter is another object, has moved, or fails its TensorGuards
 check), the gradients' form (one TensorGuards call while they are alike the last ones found to fit), and the list of
-the parameters' state dicts (reused while the optimizer's state mapping, a counting _StateMap, has not changed).
+the parameters' state dicts (reused while the optimizer's state mapping, a counting _StateMap, has not changed), and
+per core call the state tensors gathered from those dicts with their addresses (_StatesGathered: reused while each
+state dict keeps its dict_version and each tensor its address and, fp32/bf16 states, its dtype).
 Each way a user can change what those caches stand for is made here between steps, on an optimizer that serves its
 steps at once and on a twin that takes the per-parameter path at every step (no cache but the state check's). Both
 must then step to the same bits, or raise the same error having changed nothing; and where the change leaves the
 group in the at-once path's common case, the at-once twin must have served the step, so that its caches were used.
-Every case runs with TensorGuards and with the reads that stand in for it where torch has none.
+Every case runs with all caches, without TensorGuards (the reads that stand in for it where torch has none), and
+without dict versions (the state entries read key by key at every step, where torch has no dict_version).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ CONFIGS = {
     "AdamW-8bit": ("AdamW", dict(state_bits=8, min_8bit_size=0, block_size=32)),
     # 8-bit states for the 36- and 20-element parameters, fp32 for the 10-element one: two core calls a step
     "AdamW-8bit-mixed": ("AdamW", dict(state_bits=8, min_8bit_size=20, block_size=32)),
+    "SGD-8bit": ("SGD", dict(state_bits=8, min_8bit_size=0, block_size=32)),  # one state (codes and absmax)
+    "AdamWScheduleFree": ("AdamWScheduleFree", {}),  # schedule values beside the states
 }
 
 
@@ -58,6 +63,28 @@ def _same_count_mapping(opt):
     opt.state = new
 
 
+def _written_keys(state):
+    """The entries of a state dict that the core writes through their addresses: the states (fp32, bf16, or 8-bit
+    codes), 8-bit absmax, schedule values and step (not the 8-bit maps, nor block_size)."""
+    return [k for k, v in state.items() if isinstance(v, torch.Tensor) and not k.endswith("_qmap")]
+
+
+def _moved(t):
+    """`.data` reassigned: the same tensor object, at new memory of the same form."""
+    t.data = t.data.clone()
+
+
+def _view_unquantized_state(opt, ps, dtype):
+    """The first fp32 state (not an 8-bit one, not a step or absmax) of the first parameter that has one viewed in
+    place as `dtype` (`.data = t.data.view(dtype)`: the same object at the same address); nothing where every
+    parameter keeps 8-bit states (whose codes and absmax the at-once path reads as bytes and floats, as before)."""
+    for p in ps:
+        for k, v in opt.state[p].items():
+            if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.shape == p.shape:
+                v.data = v.data.view(dtype)
+                return
+
+
 def _alias_in_group(opt, ps, gen):
     """The group's second parameter replaced by a new one over the same memory (same address, dtype and shape): only
     its identity tells the step that its state is another (none yet)."""
@@ -82,6 +109,26 @@ CHANGES = {
         lambda opt, ps, gen: (opt.state.pop(ps[1]), opt.state.setdefault(ps[1], {})), None),
     "state entry replaced in place": (
         lambda opt, ps, gen: opt.state[ps[1]].__setitem__("step", opt.state[ps[1]]["step"] * 3), True),
+    # the state tensors in a state dict (_StatesGathered)
+    "state tensor replaced by a copy": (
+        lambda opt, ps, gen: [opt.state[ps[1]].__setitem__(k, opt.state[ps[1]][k].clone())
+                              for k in _written_keys(opt.state[ps[1]])[:1]], True),
+    "state tensor replaced by dict.__setitem__": (  # (C: no Python method of the dict sees it)
+        lambda opt, ps, gen: [dict.__setitem__(opt.state[ps[0]], k, opt.state[ps[0]][k] * 2)
+                              for k in _written_keys(opt.state[ps[0]])[-2:]], True),
+    "state tensors' .data reassigned": (
+        lambda opt, ps, gen: [_moved(opt.state[ps[0]][k]) for k in _written_keys(opt.state[ps[0]])], True),
+    "last state tensor's .data reassigned": (
+        lambda opt, ps, gen: _moved(opt.state[ps[3]][_written_keys(opt.state[ps[3]])[-1]]), True),
+    "step's .data reassigned": (lambda opt, ps, gen: _moved(opt.state[ps[2]]["step"]), True),
+    "state tensor grown by resize_": (
+        lambda opt, ps, gen: opt.state[ps[1]][_written_keys(opt.state[ps[1]])[0]].resize_(4096).zero_(), None),
+    "fp32 state viewed as int32 in place": (lambda opt, ps, gen: _view_unquantized_state(opt, ps, torch.int32), None),
+    "fp32 state viewed as bf16 in place": (
+        lambda opt, ps, gen: _view_unquantized_state(opt, ps, torch.bfloat16), None),
+    "state dict emptied and refilled": (
+        lambda opt, ps, gen: (lambda s: (lambda saved: (s.clear(), s.update(saved)))(dict(s)))(opt.state[ps[2]]),
+        True),
     "state mapping replaced": (
         lambda opt, ps, gen: setattr(opt, "state", type(opt.state)(dict, {p: _doubled(s) for p, s in
                                                                           opt.state.items()})), True),
@@ -157,10 +204,17 @@ def _assert_same_state(a, a_params, b, b_params, what):
                 assert_bitwise_equal(v, sb[k], f"{what}: param {i} state {k}")
 
 
-def _run(config, change, guards, monkeypatch):
+CACHES = ["all", "no TensorGuards", "no dict versions"]
+
+
+def _run(config, change, caches, monkeypatch):
     """Both twins: two steps, the change, two more steps; returns per twin the outcomes after the change and
-    whether the at-once twin's steps were served at once."""
-    monkeypatch.setattr(_fast_path, "_TENSOR_GUARDS_SERVE", guards and _fast_path._TENSOR_GUARDS_SERVE)
+    whether the at-once twin's steps were served at once. caches: which of CACHES (TensorGuards and dict versions
+    as this torch has them, or one left out)."""
+    monkeypatch.setattr(_fast_path, "_TENSOR_GUARDS_SERVE",
+                        caches != "no TensorGuards" and _fast_path._TENSOR_GUARDS_SERVE)
+    monkeypatch.setattr(_fast_path, "_DICT_VERSIONS_SERVE",
+                        caches != "no dict versions" and _fast_path._DICT_VERSIONS_SERVE)
     case, extra = CONFIGS[config]
     initial = make_params(SHAPES, torch.float32, make_generator(70))
     runs = []
@@ -200,11 +254,11 @@ def _run(config, change, guards, monkeypatch):
     return runs
 
 
-@pytest.mark.parametrize("guards", [True, False], ids=["TensorGuards", "reads"])
+@pytest.mark.parametrize("caches", CACHES)
 @pytest.mark.parametrize("change", list(CHANGES))
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_a_change_between_steps_steps_as_the_per_parameter_path(config, change, guards, monkeypatch):
-    (a, a_params, a_outcomes, served), (b, b_params, b_outcomes, _) = _run(config, change, guards, monkeypatch)
+def test_a_change_between_steps_steps_as_the_per_parameter_path(config, change, caches, monkeypatch):
+    (a, a_params, a_outcomes, served), (b, b_params, b_outcomes, _) = _run(config, change, caches, monkeypatch)
     assert served[:2] == [False, True], served  # the first step makes the states; the second is served at once
     assert a_outcomes == b_outcomes, f"{change}: at once {a_outcomes} vs per parameter {b_outcomes}"
     _assert_same_state(a, a_params, b, b_params, change)
@@ -221,8 +275,14 @@ def test_error_cases_are_rejected_on_both_paths(monkeypatch):
                           ("param replaced by another shape", ValueError), ("grad sparse", RuntimeError),
                           ("grad of another dtype", TypeError), ("grad viewed as another shape in place", ValueError),
                           ("param viewed as another shape in place", ValueError)]:
-        (_, _, outcomes, _), _ = _run("SGD", change, True, monkeypatch)
+        (_, _, outcomes, _), _ = _run("SGD", change, "all", monkeypatch)
         assert outcomes[0] is not None and issubclass(outcomes[0][0], error), (change, outcomes)
+    # (an fp32 state viewed as int32 is not: the state check's cache, which both paths share, compares identities
+    # and addresses; the at-once path reads fp32 and bf16 states' dtypes to tell the states to convert)
+    for config in ("AdamW", "AdamW-8bit-mixed"):  # (where a parameter keeps fp32 states)
+        for change in ("fp32 state viewed as bf16 in place", "state tensor grown by resize_"):
+            (_, _, outcomes, _), _ = _run(config, change, "all", monkeypatch)
+            assert outcomes[0] is not None and issubclass(outcomes[0][0], ValueError), (config, change, outcomes)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -306,3 +366,60 @@ def test_tensor_guards_serve_where_torch_has_them():
         opt.step()
     seen = opt._checked_params[id(opt.param_groups[0])][1]["params"]
     assert seen.guard is not None and seen.grad_guard is not None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The state tensors gathered per core call (_StatesGathered)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["AdamW", "AdamW-8bit", "AdamW-8bit-mixed", "SGD-8bit"])
+def test_gathered_states_are_reused_until_something_they_stand_for_changes(config):
+    """An at-once step reuses its kinds' gathered state tensors (no _kind_call: no entry of a state dict read, no
+    state check) while nothing changed, and gathers them again after each change below, once; the twin on the
+    per-parameter path ends bit for bit alike."""
+    if not _fast_path._DICT_VERSIONS_SERVE:
+        pytest.skip("this torch has no usable dict_version: the state entries are read at every step")
+    case, extra = CONFIGS[config]
+    initial = make_params(SHAPES, torch.float32, make_generator(74))
+    kinds = 2 if config == "AdamW-8bit-mixed" else 1
+    twins = []
+    for at_once in (True, False):
+        params = clone_params(initial)
+        opt = make_optimizer(case, params, **extra)
+        calls = []
+        original = opt._kind_call
+        opt._kind_call = lambda *args, original=original, calls=calls: calls.append(1) or original(*args)
+        if not at_once:
+            opt._prepare_group_at_once = lambda group: None
+        gen = make_generator(75)
+
+        def step(change=None, grads=None, params=params, opt=opt, gen=gen, calls=calls):
+            for p, g in zip(params, grads or _new_grads(params, gen)):
+                p.grad = g
+            if change is not None:
+                change(opt, params)
+            calls.clear()
+            opt.step()
+            return len(calls)
+
+        counts = [step(), step(), step(), step(lambda o, ps: _moved(o.state[ps[0]]["step"])), step(),
+                  step(lambda o, ps: o.state[ps[2]].__setitem__("step", o.state[ps[2]]["step"].clone())), step()]
+        # a general-path step over some of the parameters (one without a gradient, one with a strided gradient),
+        # which checks their states anew: the next at-once step gathers again, the one after reuses
+        strided = _new_grads(params, gen)
+        strided[3] = strided[3].t().contiguous().t()
+        counts += [step(lambda o, ps: setattr(ps[1], "grad", None), grads=strided), step(), step()]
+        twins.append((opt, params, counts))
+    (a, a_params, counts), (b, b_params, _) = twins
+    # (a change to one parameter's states gathers its kind's alone: one of the mixed group's two)
+    assert counts == [kinds, kinds, 0, 1, 0, 1, 0, kinds, kinds, 0], counts
+    _assert_same_state(a, a_params, b, b_params, config)
+
+
+def test_dict_versions_serve_where_torch_has_them():
+    """graphsafe checks this torch's dict_version (a private API) once at import; where torch has it, it must pass,
+    or the at-once path reads every state entry at every step again."""
+    if _fast_path._dict_version is None:
+        pytest.skip("this torch has no torch._C._dynamo.guards.dict_version")
+    assert _fast_path._DICT_VERSIONS_SERVE and _fast_path._dict_versions_serve()

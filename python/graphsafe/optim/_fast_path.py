@@ -1,12 +1,14 @@
 """The cached at-once path of an eager step: a param group in the common case (parameters and gradients on one
 device, strided and contiguous, states already in their form) is checked and gathered list by list, each check
 over all parameters in C (map, or one TensorGuards call), and what stays the same between steps is read once
-(_ParamsSeen, the gradients' guard, the state dicts looked up through _StateMap's count). Anything else returns
-None and takes GraphsafeOptimizer's general, per-parameter path, which issues the same core calls.
+(_ParamsSeen, the gradients' guard, the state dicts looked up through _StateMap's count, and per kind of core
+call the state tensors and their flattened addresses while no state dict changed: _StatesGathered). Anything else
+returns None and takes GraphsafeOptimizer's general, per-parameter path, which issues the same core calls.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, is_not, itemgetter
 from typing import Any, Callable
@@ -21,12 +23,17 @@ try:  # what torch.compile checks its inputs' tensors with, in C++ (_tensor_guar
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:
     _TensorGuards = None
+try:  # a dict's version tag (PEP 509), what torch.compile's guards tell a changed dict by (_StatesGathered)
+    from torch._C._dynamo.guards import dict_version as _dict_version
+except ImportError:
+    _dict_version = None
 
 # What _prepare_group_at_once reads from every parameter, gradient and state (map calls these in C).
 _grad_of, _dtype_of, _device_of = attrgetter("grad"), attrgetter("dtype"), attrgetter("device")
 _layout_of, _shape_of = attrgetter("layout"), attrgetter("shape")
 _block_size_of = itemgetter("block_size")
 _PLAIN_TENSOR, _STRIDED = {Tensor}, {torch.strided}
+_DICT_TYPES = {dict, defaultdict}
 # For one parameter the per-parameter loop is cheaper: the at-once path's fixed cost (its caches' checks) is more
 # than the per-parameter reads it saves (docs/optim.md gives the crossover).
 _AT_ONCE_MIN_PARAMS = 2
@@ -42,9 +49,11 @@ class _FastPath:
         (each check below runs over all parameters in C, through map or one TensorGuards call; the Python loop in
         _prepare_bucket costs more per parameter, and an eager step of many small tensors is bound
         by that cost). What stays as it was between steps is read once (_params_checked_once, _grads_fit,
-        _states_looked_up, _check_states_once say when it is read again); at every step: each gradient, its
-        form (in one call while alike the last step's) and address, the parameters' addresses and form, and
-        every state entry the core writes, its identity, address and dtype.
+        _states_looked_up, _StatesGathered, _check_states_once say when it is read again); at every step: each
+        gradient, its form (in one call while alike the last step's) and address, the parameters' addresses and
+        form, each state dict's version, and every state tensor the core writes, its address and (fp32, bf16)
+        dtype; where a state dict changed (or torch has no usable dict_version), its entries and their
+        identities too.
 
         Taken for groups of _AT_ONCE_MIN_PARAMS parameters or more (below, its fixed cost is more than the
         loop's) when the group's parameters with a gradient, and those gradients, are on one device, strided
@@ -72,6 +81,10 @@ class _FastPath:
         # elements under state_bits=8, fp32 below).
         _check_storage_options(group["state_bits"], group["block_size"], group["min_8bit_size"])
         kinds = seen.kinds(group["state_bits"], group["min_8bit_size"])
+        # What the kinds' state dicts were looked up as and split by (_StatesGathered): the same objects stand for
+        # the same dicts in the same places. None where the state mapping is not a _StateMap (looked up anew).
+        looked_up = seen.states
+        source = (looked_up, kinds) if looked_up is not None and looked_up[2] is states and looked_up[3] else None
         columns = (params, grads, numels, param_ptrs, shapes, states)
         if len(kinds) == 1:
             buckets = {kinds[0][0]: columns}
@@ -80,7 +93,7 @@ class _FastPath:
                        for kind, indices in kinds}
         issues = []
         for (dtype, kind_bits), bucket in buckets.items():
-            issue = self._prepare_kind_at_once(group, seen.device, dtype, kind_bits, *bucket)
+            issue = self._prepare_kind_at_once(group, seen.device, dtype, kind_bits, *bucket, source)
             if issue is None:
                 return None
             issues.append(issue)
@@ -120,17 +133,33 @@ class _FastPath:
             return list(map(mapping.get, seen.params, repeat(())))
         looked_up = seen.states
         if looked_up is None or looked_up[0] is not mapping or looked_up[1] != mapping.version:
-            looked_up = seen.states = (mapping, mapping.version, list(map(mapping.get, seen.params, repeat(()))))
+            states = list(map(mapping.get, seen.params, repeat(())))
+            # (whether each is a dict, the only type dict_version reads: _StatesGathered)
+            looked_up = seen.states = (mapping, mapping.version, states, set(map(type, states)) <= _DICT_TYPES)
         return looked_up[2]
 
     def _prepare_kind_at_once(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, bits: int,
                               params: list[Tensor], grads: list[Tensor], numels: list[int], param_ptrs: list[int],
-                              shapes: list[torch.Size], states: list[dict[str, Any]]) -> Callable[[], None] | None:
+                              shapes: list[torch.Size], states: list[dict[str, Any]],
+                              source: tuple[Any, Any] | None = None) -> Callable[[], None] | None:
         """_prepare_group_at_once's core call for the parameters of one dtype whose states are stored in `bits`
         (32, 16 or 8), or None if a state is not in the form the call needs (missing, or another form to
         convert). param_ptrs, shapes and states: the parameters' addresses, shapes and state dicts, as read
-        already."""
+        already; source: what the state dicts were looked up as and split into kinds by (identities; None if
+        they were looked up anew), which with each dict's version lets a step reuse the state tensors gathered
+        at an earlier one (_StatesGathered)."""
         options, names = self._bucket_options(group, dtype)  # raises as the general path would
+        kind = (device, dtype, bits)
+        versions = None
+        if source is not None and _DICT_VERSIONS_SERVE:
+            versions = list(map(_dict_version, states))
+            checked = self._group_memo("_checked_states", group)
+            gathered = checked.get((kind, _StatesGathered))
+            if gathered is not None and gathered.holds(source, versions, names, group["block_size"],
+                                                       checked.get(kind)):
+                call = gathered.call(param_ptrs, grads)
+                if call is not None:
+                    return self._issuer(group, device, dtype, options, {bits: call}, [])
         schedule = self._schedule_names
         if set(map(len, states)) != {_state_entry_count(names, bits, schedule)}:
             return None
@@ -147,9 +176,59 @@ class _FastPath:
             return None
         except AttributeError:  # a state replaced by hand with something else than a tensor: the clear error
             return None
-        call = self._kind_call(group, (device, dtype, bits), params, grads, states, names, tensors, numels,
-                               param_ptrs, shapes)
+        call = self._kind_call(group, kind, params, grads, states, names, tensors, numels, param_ptrs, shapes)
+        if versions is not None:  # (checked by _kind_call: kept in the state check's memo, dropped with it)
+            checked = self._group_memo("_checked_states", group)
+            checked[(kind, _StatesGathered)] = _StatesGathered(source, versions, names, group["block_size"], bits,
+                                                               tensors, call, checked.get(kind))
         return self._issuer(group, device, dtype, options, {bits: call}, [])
+
+
+class _StatesGathered:
+    """One kind's state tensors as an at-once step gathered and checked them (_kind_call), flattened, with the core
+    call's address lists, for later steps to reuse while nothing they stand for changed:
+      * the state dicts: the same dicts in the same places (source: the look-up and the split into kinds, by
+        identity), each at the dict_version it had (a dict gets a new version at any change that puts another
+        object in it or takes one out, made through Python or C); the group's block size and the state names;
+      * per tensor its address (`.data = ...`, set_, a growing resize_ move it) and, for fp32 and bf16 states, its
+        dtype (`.data = t.data.view(another dtype)` keeps object and address; the dtype says which states a step
+        converts, as _prepare_kind_at_once reads it otherwise);
+      * the state check's cache entry for the kind (_check_states_once), the one they were checked under.
+    Those are the identities and addresses the state check's cache compares, so a reuse is a step that check
+    skips too; they are read here as one list each (an address or a dtype per tensor, a version per dict), where
+    the step otherwise reads every entry of every state dict and compares its identity. An 8-bit state is two
+    tensors (codes and absmax) where an fp32 one is one, so this saved the 8-bit steps the most. Kept in the
+    group's "_checked_states" memo, so that it is dropped with it when a step creates or converts states (it holds
+    the tensors)."""
+
+    __slots__ = ("source", "versions", "names", "block_size", "state_check", "tensors", "ptrs", "unquantized",
+                 "dtype", "lists")
+
+    def __init__(self, source: tuple[Any, Any], versions: list[int], names: list[str], block_size: int, bits: int,
+                 tensors: list[list[Tensor]], call: tuple, state_check: Any) -> None:
+        self.source, self.versions, self.names, self.block_size = source, versions, list(names), block_size
+        self.state_check = state_check
+        self.tensors = list(chain.from_iterable(tensors))
+        self.ptrs = list(map(Tensor.data_ptr, self.tensors))  # (as _kind_call read them: nothing ran in between)
+        self.unquantized = None if bits == 8 else list(chain.from_iterable(tensors[:len(names)]))
+        self.dtype = _UNQUANTIZED_STATE_DTYPES.get(bits)
+        self.lists = call[2:]  # the state, absmax, step, numel and schedule lists, as the core call takes them
+
+    def holds(self, source: tuple[Any, Any], versions: list[int], names: list[str], block_size: int,
+              state_check: Any) -> bool:
+        """Whether the state dicts are the ones gathered, unchanged, for the same state names and block size, and
+        the state check's cache entry for the kind (state_check) is the one they were checked under."""
+        return (source[0] is self.source[0] and source[1] is self.source[1] and versions == self.versions
+                and names == self.names and block_size == self.block_size and state_check is self.state_check)
+
+    def call(self, param_ptrs: list[int], grads: list[Tensor]) -> tuple | None:
+        """The core call's lists with these parameter addresses and gradients, or None if a state tensor has
+        moved or (fp32, bf16) changed dtype since it was gathered: the caller then gathers and checks anew."""
+        if list(map(Tensor.data_ptr, self.tensors)) != self.ptrs:
+            return None
+        if self.unquantized is not None and set(map(_dtype_of, self.unquantized)) - {self.dtype}:
+            return None
+        return (param_ptrs, list(map(Tensor.data_ptr, grads)), *self.lists)
 
 
 def _all_on(device: torch.device, tensors: list[Tensor]) -> bool:
@@ -179,7 +258,8 @@ class _ParamsSeen:
         self.numels = list(map(Tensor.numel, params))
         self.guard = _tensor_guard(params)
         self.grad_guard = None  # alike the gradients last found to fit
-        self.states: tuple[Any, int, list[dict[str, Any]]] | None = None  # (mapping, its count, the state dicts)
+        # (mapping, its count, the state dicts, whether all are dicts or defaultdicts)
+        self.states: tuple[Any, int, list[dict[str, Any]], bool] | None = None
         self.kinds_by_storage: dict[tuple[Any, Any], list[tuple[tuple[torch.dtype, int], list[int]]]] = {}
 
     def kinds(self, state_bits: int, min_8bit_size: int) -> list[tuple[tuple[torch.dtype, int], list[int]]]:
@@ -274,3 +354,35 @@ def _tensor_guards_serve() -> bool:
 
 
 _TENSOR_GUARDS_SERVE = _tensor_guards_serve()  # (at import: no tracing or dispatch mode around it)
+
+
+def _dict_versions_serve() -> bool:
+    """Whether this torch's dict_version (a private API; PEP 509's tag, which later Pythons may keep no more) gives
+    a dict a new value at every change that can put another object in it or take one out, made through Python or
+    C (dict.__setitem__ on the base class): checked once, at import."""
+    if _dict_version is None:
+        return False
+    try:
+        d: dict[Any, Any] = {"a": object(), "b": object()}
+        changes = [
+            lambda: d.__setitem__("a", object()),  # replaced
+            lambda: d.__setitem__("c", object()),  # added
+            lambda: dict.__setitem__(d, "c", object()),
+            lambda: d.__delitem__("c"),
+            lambda: d.pop("b"),
+            lambda: d.setdefault("b", object()),
+            lambda: d.update(b=object()),
+            lambda: d.__ior__({"a": object()}),
+            lambda: d.popitem(),
+            lambda: d.clear(),
+        ]
+        versions = [_dict_version(d)]
+        for change in changes:
+            change()
+            versions.append(_dict_version(d))
+        return all(type(v) is int for v in versions) and len(set(versions)) == len(versions)
+    except Exception:  # another signature, or anything else: not used
+        return False
+
+
+_DICT_VERSIONS_SERVE = _dict_versions_serve()
