@@ -32,13 +32,14 @@ using namespace optim_detail;
 
 // One launch's tensors: per tensor the pointers its kernels read, with slots for the States states only (and
 // their 8-bit scales only with Bits 8), so that a launch takes as many tensors as fit in the argument bytes
-// (66 for SGD with momentum or RMSprop, 58 for Adam(W), 47 for 8-bit Adam(W)): a step of many small tensors is
-// bound by the host, and every launch costs it a few microseconds.
+// (76 for SGD with momentum or RMSprop, 65 for Adam(W) and 8-bit SGD or Lion, 52 for 8-bit Adam(W)): a step of many
+// small tensors is bound by the host, and every launch costs it a few microseconds. (So a tensor's chunk index
+// across the step is worked out from one header field, first_chunk, rather than kept per tensor.)
 template <int States, int Bits>
 struct TensorTable {
   static constexpr int kStateSlots = States > 0 ? States : 1;
   static constexpr int kScaleSlots = Bits == 8 ? kStateSlots : 0;
-  static constexpr int kHeaderBytes = 16, kBytesPerTensor = 8 * (6 + kStateSlots + kScaleSlots) + 4;
+  static constexpr int kHeaderBytes = 24, kBytesPerTensor = 8 * (5 + kStateSlots + kScaleSlots) + 4;
   // Besides the tensors: the header, first_block's last entry, the unused scale slot without 8-bit states, and
   // up to 4 bytes of padding after factor_index.
   static constexpr int kCapacity = (LaunchTablePolicy::kArgumentBytes - kHeaderBytes - 8 - 8 - 4) / kBytesPerTensor;
@@ -47,6 +48,9 @@ struct TensorTable {
   // and 1 is added on reading (step_increment); the update's last block to finish writes step + 1 for all.
   float step_increment;
   uint32_t* finish_counter;
+  // The step's index of this launch's first chunk (layer-wise partials): tensor i's first chunk across the whole
+  // step is first_chunk + first_block[i], the launch's blocks being its chunks in the step's order.
+  int64_t first_chunk;
   void* param[kCapacity];
   const void* grad[kCapacity];
   void* state[kStateSlots][kCapacity];  // fp32 or bf16 states, or with 8-bit states their codes (uint8)
@@ -55,12 +59,11 @@ struct TensorTable {
   float* step[kCapacity];
   int64_t numel[kCapacity];
   int64_t first_block[kCapacity + 1];  // blocks of this launch, one per chunk
-  int64_t first_chunk[kCapacity];      // chunk index across the whole step (layer-wise partials)
-  int factor_index[kCapacity];         // tensor index across the whole step (layer-wise factors)
+  int factor_index[kCapacity];         // tensor index across the whole step (layer-wise factors, schedules)
 };
 static_assert(LaunchTablePolicy::kArgumentBytes != 4000 ||
-                  (TensorTable<1, 32>::kCapacity == 66 && TensorTable<2, 32>::kCapacity == 58 &&
-                   TensorTable<2, 8>::kCapacity == 47),
+                  (TensorTable<1, 32>::kCapacity == 76 && TensorTable<2, 32>::kCapacity == 65 &&
+                   TensorTable<1, 8>::kCapacity == 65 && TensorTable<2, 8>::kCapacity == 52),
               "the capacities the comment above names");
 
 template <class Table>
@@ -189,16 +192,17 @@ template <int States, int Bits, class Launch>
 void for_each_table(const OptimStepArgs& a, const OptimTensor* tensors, int count, Launch launch) {
   using Table = TensorTable<States, Bits>;
   static_assert(sizeof(Table) <= LaunchTablePolicy::kArgumentBytes, "the tensor table fits its bytes");
+  int64_t blocks = 0, chunk_base = 0;  // this launch's chunks so far; the step's before this launch and in it
   const auto new_table = [&] {
     Table table{};
     if (update_counts_steps(a)) {
       table.step_increment = 1.0f;
       table.finish_counter = a.finish_counter;
     }
+    table.first_chunk = chunk_base;
     return table;
   };
   Table table = new_table();
-  int64_t blocks = 0, chunk_base = 0;
   auto flush = [&]() {
     table.first_block[table.count] = blocks;
     if (blocks > 0) launch(static_cast<const Table&>(table), blocks);
@@ -222,7 +226,6 @@ void for_each_table(const OptimStepArgs& a, const OptimTensor* tensors, int coun
     table.step[i] = x.step;
     table.numel[i] = x.numel;
     table.first_block[i] = blocks;
-    table.first_chunk[i] = chunk_base;
     table.factor_index[i] = t;
     blocks += chunk_count(x.numel);
     chunk_base += chunk_count(x.numel);

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, LayerwisePolicy::kMeasureMinBlocksPe
     });
     const SquaredNorms sum = block_sum(mine, partial);
     if (threadIdx.x == 0) {
-      const int64_t chunk = table.first_chunk[w.tensor] + (block_ - table.first_block[w.tensor]);
+      const int64_t chunk = table.first_chunk + block_;  // (the launch's blocks are its chunks)
       chunk_norms[2 * chunk] = sum.param;
       chunk_norms[2 * chunk + 1] = sum.update;
     }
@@ -97,7 +97,8 @@ __global__ void __launch_bounds__(kThreads) factor_kernel(OptimOptions o, Learni
   if (!learning_rate_usable(lr, *lr.value)) return;
   __shared__ float partial[2][kThreads];
   const int t = blockIdx.x;
-  const int64_t first = table.first_chunk[t], chunks = table.first_block[t + 1] - table.first_block[t];
+  const int64_t first = table.first_chunk + table.first_block[t];
+  const int64_t chunks = table.first_block[t + 1] - table.first_block[t];
   SquaredNorms mine{0.0f, 0.0f};
   add_chunks(chunk_norms, first, chunks, mine);
   const SquaredNorms total = block_sum(mine, partial);
