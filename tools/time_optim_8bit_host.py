@@ -14,7 +14,8 @@ back to back between two CUDA events, the device synchronised again. Printed per
   gpu     ms per step between the CUDA events (the stream's time: kernels, and gaps where it waited for the host);
   issue   µs per step the host took to issue the steps (perf_counter around the loop, no synchronisation in it:
           with at most a few hundred launches queued the host never waits for the GPU, so this is host time).
-A step is host-bound when issue >= gpu; then wall follows issue. --cpu times CPU tensors (wall and issue only).
+A step is host-bound when issue >= gpu; then wall follows issue. Also printed: the kernels one step launches
+(counted once, under torch.profiler; "?" where it cannot count them). --cpu times CPU tensors (wall and issue only).
 
 To compare two versions of the Python layer on the same build (e.g. before and after a commit that changes only
 python/): check the other version out elsewhere (git worktree add /tmp/gs-old <commit>), copy the built extension
@@ -80,6 +81,21 @@ def one_round(optimizer: torch.optim.Optimizer, steps: int, device: torch.device
     return (finished - begin) * 1e3 / steps, gpu_ms, (issued - begin) * 1e6 / steps
 
 
+def kernels_per_step(optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+    """How many kernels one step launches, counted under torch.profiler ("?" if it cannot count them)."""
+    if device.type != "cuda":
+        return "-"
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            optimizer.step()
+            torch.cuda.synchronize(device)
+        return str(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA))
+    except Exception:  # (a count only: never a reason to stop the timing)
+        return "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
@@ -97,6 +113,7 @@ def main() -> None:
             for bits in (32, 8):
                 cases[(algorithm, tensors, bits)] = make_case(algorithm, args.numel, tensors, bits, device,
                                                              args.min_8bit_size)
+    kernels = {key: kernels_per_step(optimizer, device) for key, optimizer in cases.items()}
     results: dict[tuple, list[tuple[float, float, float]]] = {key: [] for key in cases}
     for _ in range(args.rounds):
         for key, optimizer in cases.items():
@@ -104,13 +121,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}; {args.numel} fp32 parameters; {args.rounds} interleaved rounds of {args.steps} eager steps; "
           "median per step (fastest round)")
-    print(f"{'case':24s} {'bits':>4s} {'wall ms':>16s} {'gpu ms':>16s} {'issue us':>16s}")
+    print(f"{'case':24s} {'bits':>4s} {'wall ms':>16s} {'gpu ms':>16s} {'issue us':>16s} {'kernels':>7s}")
     for (algorithm, tensors, bits), rounds in results.items():
         columns = []
         for i, scale in ((0, "{:7.3f}"), (1, "{:7.3f}"), (2, "{:7.1f}")):
             values = [r[i] for r in rounds]
             columns.append(f"{scale.format(statistics.median(values))} ({scale.format(min(values)).strip()})")
-        print(f"{algorithm + ' x' + str(tensors):24s} {bits:4d} {columns[0]:>16s} {columns[1]:>16s} {columns[2]:>16s}")
+        print(f"{algorithm + ' x' + str(tensors):24s} {bits:4d} {columns[0]:>16s} {columns[1]:>16s} {columns[2]:>16s} "
+              f"{kernels[(algorithm, tensors, bits)]:>7s}")
 
 
 if __name__ == "__main__":
