@@ -156,31 +156,22 @@ __device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ p
   }
 }
 
-// Level 1: one item per tile of kTile sorted positions. Runs of a row are summed in position order; a row
-// that lies inside the tile is finished, a piece of a longer row goes to the tile's partial slot.
+// Level 1 for one tile (the work of one item of reduce_tiles, and of the small path's reduce_small): runs of a row
+// are summed in position order; a row that lies inside the tile is finished, a piece of a longer row goes to the
+// tile's partial slot (piece_slot). `lane` of `group` threads share the row's vectors.
 template <class T, int VEC, class Slot>
-__global__ void __launch_bounds__(kThreads)
-    reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
-                 int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
-                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
-                 int group, Slot slot) {
+__device__ void sum_tile_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
+                              const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
+                              bool scale_grad_by_freq, T* __restrict__ out,
+                              typename ElementTraits<T>::Acc* __restrict__ tile_partials, int64_t tile, int lane,
+                              int group, Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
-  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t begin = tile * kTile;
-  if (begin >= n) return;
   const int64_t tile_end = min(begin + kTile, n);
-  if (threadIdx.x % group == 0) {
-    // The rows of this tile's partial slots (sentinel: slot unused), for reduce_tile_groups.
-    const uint32_t first = keys[begin], last = keys[tile_end - 1];
-    const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
-    const bool last_goes_on = last != sentinel && key_at(keys, n, tile_end, last);
-    tile_pieces[tile] = make_uint2(first_began_earlier ? first : sentinel,
-                                   last_goes_on && !(first == last && first_began_earlier) ? last : sentinel);
-  }
   // Sentinels (padding, out-of-range) sort last: their gradient rows are never read.
   if (keys[begin] == sentinel) return;
   const int64_t end = keys[tile_end - 1] == sentinel ? lower_bound(keys, begin, tile_end, sentinel) : tile_end;
-  for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
+  for (int64_t v = lane; v < dim / VEC; v += group) {
     Acc acc[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
@@ -211,6 +202,30 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+}
+
+// Level 1: one item per tile of kTile sorted positions (sum_tile_rows), which also records the rows of its
+// partial slots for level 2.
+template <class T, int VEC, class Slot>
+__global__ void __launch_bounds__(kThreads)
+    reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
+                 int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
+                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
+                 int group, Slot slot) {
+  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t begin = tile * kTile;
+  if (begin >= n) return;
+  const int64_t tile_end = min(begin + kTile, n);
+  if (threadIdx.x % group == 0) {
+    // The rows of this tile's partial slots (sentinel: slot unused), for reduce_tile_groups.
+    const uint32_t first = keys[begin], last = keys[tile_end - 1];
+    const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
+    const bool last_goes_on = last != sentinel && key_at(keys, n, tile_end, last);
+    tile_pieces[tile] = make_uint2(first_began_earlier ? first : sentinel,
+                                   last_goes_on && !(first == last && first_began_earlier) ? last : sentinel);
+  }
+  sum_tile_rows<T, VEC, Slot>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials, tile,
+                              threadIdx.x % group, group, slot);
 }
 
 // Level 2: rows longer than a tile, within each group of kGroupTiles tiles. One item per tile; a tile
@@ -373,5 +388,21 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Elements per 16-byte access, and whether rows allow such accesses (the choice changes no bits).
+template <class T>
+constexpr int wide_vector() { return 16 / sizeof(T); }
+template <class T>
+bool use_wide_vectors(const EmbeddingBackwardArgs& a, const void* out) {
+  return a.dim % wide_vector<T>() == 0 && aligned16(a.grad) && aligned16(out);
+}
+
 }  // namespace
+
+// The small-problem path of the dense result (cuda_small.cu): two launches, the same sums in the same order.
+// Taken when embedding_backward_cuda_small_path says so, from shapes alone.
+bool embedding_backward_cuda_small_path(int64_t num_indices, int64_t dim, int64_t num_weights, std::size_t elem_bytes);
+void embedding_backward_dense_cuda_small(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* out,
+                                         void* workspace, const embedding_detail::CudaWorkspaceLayout& layout,
+                                         DeviceErrorRecord* error, cudaStream_t stream);
+
 }  // namespace graphsafe

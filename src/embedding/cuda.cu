@@ -11,6 +11,8 @@
 //    rows for the next level, so work stays spread evenly and searches are short and rare.
 // All buffers are sized from shapes; grids cover every tile and threads exit early, so nothing is read
 // back to the host and the whole sequence can be captured in a CUDA graph.
+// Small problems (few indices; embedding_backward_cuda_small_path decides from shapes) take cuda_small.cu's two
+// launches instead, which use the same workspace layout and give the same bits.
 #include <string>
 
 #include "embedding/backward_kernels.cuh"
@@ -51,8 +53,8 @@ void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* ou
 // Zero-fills untouched rows, sorts, and reduces, with 16-byte accesses when rows allow it.
 template <class T>
 void run_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
-  constexpr int kWide = 16 / sizeof(T);
-  const bool wide = a.dim % kWide == 0 && aligned16(a.grad) && aligned16(out);
+  constexpr int kWide = wide_vector<T>();
+  const bool wide = use_wide_vectors<T>(a, out);
   if (wide) zero_untouched<T, kWide>(a, w, out, stream); else zero_untouched<T, 1>(a, w, out, stream);
   if (a.num_indices == 0) return;
   sort_by_row(a, w, stream);
@@ -87,9 +89,14 @@ void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, vo
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
     throw std::invalid_argument("embedding_backward: the CUDA workspace must be 256-byte aligned");
   const std::size_t acc_bytes = a.grad_dtype == DType::Float64 ? 8 : 4;
-  const Workspace w = carve(workspace, embedding_detail::cuda_workspace_layout(
-                                           a.num_indices, a.dim, a.num_weights, acc_bytes,
-                                           embedding_backward_cuda_sort_bytes(a.num_indices, a.num_weights)));
+  const auto layout = embedding_detail::cuda_workspace_layout(
+      a.num_indices, a.dim, a.num_weights, acc_bytes, embedding_backward_cuda_sort_bytes(a.num_indices, a.num_weights));
+  if (embedding_backward_cuda_small_path(a.num_indices, a.dim, a.num_weights, dtype_size(a.grad_dtype))) {
+    // Few indices: two launches, the same bits (cuda_small.cu).
+    embedding_backward_dense_cuda_small(a, padding_idx, out, workspace, layout, error, stream);
+    return;
+  }
+  const Workspace w = carve(workspace, layout);
   if (a.num_weights > 0) GS_CUDA_CHECK(cudaMemsetAsync(w.row_occurs, 0, static_cast<std::size_t>(a.num_weights), stream));
   launch_make_sort_keys</*kFlagRows=*/true>(a, padding_idx, w, error, stream);
   if (a.num_weights == 0 || a.dim == 0) return;  // nothing to write (indices were still checked)

@@ -2,7 +2,8 @@
 
 Each case runs the three methods side by side on the same inputs and reports time, bandwidth against the
 minimum bytes an embedding backward must move, accuracy against a float64 reference, and whether two runs
-are bitwise identical.
+are bitwise identical. The token sweep (embedding_sweep.py) follows the cases: two LLM vocabularies from 256 to
+1M tokens, eager and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import graphsafe
 
 from .._core_args import dtype_name
+from . import embedding_sweep
 from .harness import BenchContext, Suite, Target, register_suite
 from .indices import ZIPF_EXPONENT, hot_row_indices, uniform_indices, zipf_indices
 from .plots import measured, new_figure, nothing_measured, run_title
@@ -218,11 +220,18 @@ def run_suite(ctx: BenchContext) -> list[dict]:
     records = []
     for case in cases_for(ctx.quick):
         records += run_case(ctx, case)
+    records += embedding_sweep.run_sweep(ctx, sweep_case, make_input_sets, METHODS, _release)
     return records
 
 
+def sweep_case(config: embedding_sweep.SweepConfig, tokens: int) -> EmbeddingCase:
+    """One point of the token sweep as a case (uniform indices), so that it shares the cases' inputs and min bytes."""
+    number = 100 + [c.name for c in embedding_sweep.CONFIGS].index(config.name)
+    return EmbeddingCase(number, config.name, config.num_weights, config.dim, config.dtype, tokens, "uniform")
+
+
 def _by_case_and_method(records: list[dict]) -> dict[tuple[int, str], dict]:
-    return {(r["case"], r["method"]): r for r in records if r.get("record") == "measurement"}
+    return {(r["case"], r["method"]): r for r in records if r.get("record") == "measurement" and "part" not in r}
 
 
 def evaluate_targets(records: list[dict], ctx: BenchContext) -> list[Target]:
@@ -234,7 +243,7 @@ def evaluate_targets(records: list[dict], ctx: BenchContext) -> list[Target]:
         if case.target_ms is not None:
             targets.append(_absolute_target(label, ours, case.target_ms, ctx))
         targets.append(_relative_target(label, ours, theirs, ctx))
-    return targets
+    return targets + embedding_sweep.evaluate_sweep(records, ctx, Target)
 
 
 def _absolute_target(label: str, ours: dict, limit_ms: float, ctx: BenchContext) -> Target:
@@ -284,6 +293,9 @@ def render(records: list[dict], ctx: BenchContext) -> str:
     parts.append(_legend(ctx))
     if errors:
         parts.append("Errors:\n" + "\n".join(errors))
+    sweep = embedding_sweep.render_sweep(records, ctx)
+    if sweep:
+        parts.append(sweep)
     return "\n\n".join(parts)
 
 
@@ -312,15 +324,25 @@ def _legend(ctx: BenchContext) -> str:
 
 
 def plot(records: list[dict], environment: dict):
+    """The cases' panel, then one panel per token-sweep config (embedding_sweep.plot_sweep) when the run has one."""
+    sweep = [r for r in measured(records) if r.get("part") == "sweep"]
+    configs = list(dict.fromkeys(r["case_name"] for r in sweep))
+    figure = new_figure(8, 6 + 5 * len(configs))
+    panels = figure.subplots(1 + len(configs), 1, squeeze=False)[:, 0]
+    _plot_cases(panels[0], [r for r in records if r.get("part") != "sweep"], environment)
+    for axes, name in zip(panels[1:], configs):
+        embedding_sweep.plot_sweep(axes, sweep, name, environment["copy_bw_gbps"])
+    return figure
+
+
+def _plot_cases(axes, records: list[dict], environment: dict) -> None:
     """Each method's median time against the case's tokens (log-log), beside the case's memory floor: its min
     bytes at the measured copy bandwidth, the time no method can beat. The cases are different tables (V, D,
     dtype), so their points are not joined."""
-    figure = new_figure(8, 6)
-    axes = figure.add_subplot()
     points = measured(records)
     if not points:
         nothing_measured(axes)
-        return figure
+        return
     for method in DISPLAY_ORDER:
         mine = [r for r in points if r["method"] == method]
         marker, color = PLOT_STYLE[method]
@@ -342,7 +364,6 @@ def plot(records: list[dict], environment: dict):
     axes.grid(True, which="major", alpha=0.3)
     axes.legend(loc="best", fontsize="small")
     axes.set_title(run_title(environment, "dense embedding backward"), fontsize="medium")
-    return figure
 
 
 SUITE = register_suite(

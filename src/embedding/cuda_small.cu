@@ -1,0 +1,311 @@
+// Small-problem path of the dense CUDA embedding backward: two launches where the general path (cuda.cu) needs
+// seven to ten, for problems whose fixed cost would otherwise dominate. Same sums, same order, same bits.
+//
+// 1. sort_and_zero: block 0 turns the indices (at most kSmallMaxIndices; row and position fit 32 bits) into sort
+//    keys (padding and out-of-range -> the sentinel row num_weights; out-of-range ones reported in the device
+//    error record, as make_sort_keys does), sorts the (row, position) pairs in shared memory and writes them
+//    where the general path's radix sort writes its output; it also clears the per-tile arrival counters of
+//    step 2. Every other block owns a range of output rows: it scans all indices for the rows of its range that
+//    occur, then zero-fills the others.
+// 2. reduce_small: one item per tile of kEmbeddingTile sorted positions does level 1 of the order
+//    (sum_tile_rows, shared with reduce_tiles). A row spanning several tiles leaves one piece per tile; each
+//    tile then counts its pieces in at the row's first tile, and the item whose arrival completes the row adds
+//    the row's pieces in the fixed nesting of embedding.h (tiles within a group, then groups) and stores it.
+//    Which item finishes depends on scheduling; the order of the additions does not.
+// Grids and the path itself are chosen from shapes alone; nothing is read back, so both launches can be captured.
+#include <cub/block/block_radix_sort.cuh>
+
+#include <type_traits>
+
+#include "embedding/backward_kernels.cuh"
+
+namespace graphsafe {
+namespace {
+
+// One block of kSmallThreads sorts; items per thread (kSortItemsMax at most) grow with N, so a short input does not
+// sort thousands of padding items.
+constexpr int kSmallThreads = 256;
+constexpr int kSortItemsMax = 16;
+constexpr int64_t kSmallMaxIndices = int64_t(kSmallThreads) * kSortItemsMax;
+// Zero-filling blocks: at least kZeroBytesPerBlock of output each, and at least 64 output bytes per index (each
+// block reads all the indices), at most kZeroRowsMax rows each (its "row occurs" bitmap is in shared memory).
+constexpr int64_t kZeroBytesPerBlock = int64_t(64) << 10;
+constexpr int64_t kZeroBytesPerIndex = 64;
+constexpr int64_t kZeroRowsMax = 32768;
+
+template <int kItems>
+using SmallSort = cub::BlockRadixSort<uint32_t, kSmallThreads, kItems>;
+
+// Output rows per zero-filling block, and how many such blocks: shapes only.
+struct ZeroGrid {
+  int64_t rows_per_block;
+  int64_t blocks;
+};
+
+ZeroGrid zero_grid(int64_t num_indices, int64_t num_weights, int64_t row_bytes) {
+  const int64_t per_block = std::max(kZeroBytesPerBlock, num_indices * kZeroBytesPerIndex);
+  const int64_t rows = std::clamp<int64_t>(per_block / std::max<int64_t>(row_bytes, 1), 1, kZeroRowsMax);
+  return {rows, (num_weights + rows - 1) / rows};
+}
+
+// Bits of the composite sort key (row << position_bits | position), at most 32 on this path: 2^position_bits > n,
+// so a real key never has all its bits set and the padding items (all ones) sort behind every real one. Keys are
+// unique, so the order is (row, position) whatever the sort's stability.
+int position_bits(int64_t n) { return sort_end_bit(n); }
+int composite_key_bits(int64_t n, int64_t num_weights) { return position_bits(n) + sort_end_bit(num_weights); }
+
+// Zero-fills the rows of [first_row, first_row + rows) whose bit in `occurs` is clear, with stores of U.
+// +0 is all zero bits in every floating-point type, so the bytes need no element type.
+template <class U>
+__device__ void zero_rows_without_bit(char* __restrict__ out, int64_t first_row, uint32_t rows, uint32_t units_per_row,
+                                      const uint32_t* __restrict__ occurs) {
+  U* const dst = reinterpret_cast<U*>(out) + first_row * units_per_row;
+  const uint32_t units = rows * units_per_row;
+  for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint32_t row = u / units_per_row;
+    if (!((occurs[row >> 5] >> (row & 31)) & 1u)) dst[u] = U{};
+  }
+}
+
+// Most blocks only zero-fill: keep at least kZeroBlocksPerSm resident (the sort block may spill instead).
+constexpr int kZeroBlocksPerSm = 4;
+
+template <class Index, int kItems>
+__global__ void __launch_bounds__(kSmallThreads, kZeroBlocksPerSm)
+    sort_and_zero(const Index* __restrict__ indices, int n, int64_t num_weights, int64_t padding_idx, int pos_bits,
+                  int end_bit,
+                  uint32_t* __restrict__ keys_sorted, uint32_t* __restrict__ positions_sorted,
+                  uint32_t* __restrict__ counters, int64_t tiles, char* __restrict__ out, int64_t rows_per_block,
+                  uint32_t units_per_row, int unit_bytes, DeviceErrorRecord* error) {
+  __shared__ typename SmallSort<kItems>::TempStorage sort_storage;
+  extern __shared__ uint32_t occurs[];
+  if (blockIdx.x == 0) {
+    uint32_t items[kItems];
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int i = threadIdx.x * kItems + k;
+      items[k] = ~uint32_t{0};
+      if (i < n) {
+        const int64_t index = static_cast<int64_t>(indices[i]);
+        if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
+        items[k] = sort_key(index, num_weights, padding_idx) << pos_bits | static_cast<uint32_t>(i);
+      }
+    }
+    SmallSort<kItems>(sort_storage).Sort(items, 0, end_bit);
+    const uint32_t position_mask = (uint32_t{1} << pos_bits) - 1;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {  // blocked arrangement: thread t holds sorted ranks t * kItems + k
+      const int rank = threadIdx.x * kItems + k;
+      if (rank < n) {
+        keys_sorted[rank] = items[k] >> pos_bits;
+        positions_sorted[rank] = items[k] & position_mask;
+      }
+    }
+    for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) counters[t] = 0;
+    return;
+  }
+  const int64_t first_row = (blockIdx.x - 1) * rows_per_block;
+  const auto rows = static_cast<uint32_t>(min(rows_per_block, num_weights - first_row));
+  for (uint32_t w = threadIdx.x; w < (rows + 31) / 32; w += blockDim.x) occurs[w] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint32_t key = sort_key(static_cast<int64_t>(indices[i]), num_weights, padding_idx);
+    const int64_t local = int64_t(key) - first_row;  // the sentinel num_weights is outside every range
+    if (local >= 0 && local < rows) atomicOr(&occurs[local >> 5], 1u << (local & 31));
+  }
+  __syncthreads();
+  switch (unit_bytes) {
+    case 16: zero_rows_without_bit<uint4>(out, first_row, rows, units_per_row, occurs); break;
+    case 8: zero_rows_without_bit<uint2>(out, first_row, rows, units_per_row, occurs); break;
+    case 4: zero_rows_without_bit<uint32_t>(out, first_row, rows, units_per_row, occurs); break;
+    default: zero_rows_without_bit<uint16_t>(out, first_row, rows, units_per_row, occurs); break;
+  }
+}
+
+// acc += partials[piece_slot(t, t != first_of_row)] for t = first..last in order, read past L1: the pieces were
+// written by other blocks of this launch.
+template <class Acc, int VEC>
+__device__ void add_pieces_in_order(Acc (&acc)[VEC], const Acc* __restrict__ partials, int64_t first, int64_t last,
+                                    int64_t first_of_row, int64_t dim, int64_t v) {
+  constexpr int kAhead = 4;
+  for (int64_t ahead = first; ahead <= last; ahead += kAhead) {
+    Acc pieces[kAhead][VEC];
+#pragma unroll
+    for (int b = 0; b < kAhead; ++b)
+      if (ahead + b <= last) {
+        const Acc* piece = partials + piece_slot(ahead + b, ahead + b != first_of_row) * dim + v * VEC;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) pieces[b][k] = __ldcg(piece + k);
+      }
+#pragma unroll
+    for (int b = 0; b < kAhead; ++b)
+      if (ahead + b <= last) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] += pieces[b][k];
+      }
+  }
+}
+
+// A row whose run [start, end) of sorted positions spans tiles, from its per-tile pieces: levels 2 and 3 of the
+// order, exactly as reduce_tile_groups and reduce_long_rows add them (a row inside one group is that group's sum;
+// a longer one the sum of its per-group sums).
+template <class T, int VEC>
+__device__ void finish_spanning_row(T* __restrict__ out, const typename ElementTraits<T>::Acc* __restrict__ partials,
+                                    uint32_t row, int64_t start, int64_t end, int64_t dim, bool scale_grad_by_freq,
+                                    int lane, int group) {
+  using Acc = typename ElementTraits<T>::Acc;
+  const int64_t first_tile = start / kTile, last_tile = (end - 1) / kTile;
+  const int64_t first_group = first_tile / kGroupTiles, last_group = last_tile / kGroupTiles;
+  for (int64_t v = lane; v < dim / VEC; v += group) {
+    Acc total[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) total[k] = Acc(0);
+    for (int64_t g = first_group; g <= last_group; ++g) {
+      Acc part[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) part[k] = Acc(0);
+      const int64_t group_first = g * kGroupTiles, group_last = group_first + kGroupTiles - 1;
+      add_pieces_in_order<Acc, VEC>(part, partials, first_tile > group_first ? first_tile : group_first,
+                                    last_tile < group_last ? last_tile : group_last, first_tile, dim, v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) total[k] = first_group == last_group ? part[k] : total[k] + part[k];
+    }
+    store_row_vector<T, VEC>(out, row, dim, v, total, end - start, scale_grad_by_freq);
+  }
+}
+
+// A tile's piece of a spanning row is counted in at the row's first tile; true when it is the row's last piece.
+__device__ bool arrive(uint32_t* __restrict__ counters, int64_t start, int64_t end) {
+  const auto pieces = static_cast<uint32_t>((end - 1) / kTile - start / kTile + 1);
+  return atomicAdd(&counters[start / kTile], 1u) + 1 == pieces;
+}
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    reduce_small(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
+                 int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
+                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint32_t* __restrict__ counters,
+                 int group) {
+  struct Finish {  // up to two spanning rows this item completes: its first row (began earlier), its last row
+    uint32_t row[2];
+    int64_t start[2], end[2];
+    bool completes[2];
+  };
+  __shared__ Finish finishes[kThreads];
+  const int item = threadIdx.x / group, lane = threadIdx.x % group;
+  const int64_t tile = int64_t(blockIdx.x) * (kThreads / group) + item;
+  const int64_t begin = tile * kTile;
+  const bool active = begin < n;
+  if (active)
+    sum_tile_rows<T, VEC>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials, tile, lane,
+                          group, DenseSlot{});
+  __threadfence();  // this thread's pieces are visible to every block before its tile is counted in
+  __syncthreads();
+  if (active && lane == 0) {
+    Finish f{{sentinel, sentinel}, {0, 0}, {0, 0}, {false, false}};
+    const int64_t tile_end = min(begin + kTile, n);
+    const uint32_t first = keys[begin], last = keys[tile_end - 1];
+    // The same conditions under which sum_tile_rows leaves pieces in slots piece_slot(tile, true / false).
+    const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
+    const bool last_goes_on =
+        last != sentinel && key_at(keys, n, tile_end, last) && !(first == last && first_began_earlier);
+    if (first_began_earlier) {
+      f.row[0] = first;
+      f.start[0] = lower_bound(keys, 0, begin, first);
+      f.end[0] = upper_bound(keys, begin, n, first);
+      f.completes[0] = arrive(counters, f.start[0], f.end[0]);
+    }
+    if (last_goes_on) {
+      f.row[1] = last;
+      f.start[1] = lower_bound(keys, begin, tile_end, last);
+      f.end[1] = upper_bound(keys, tile_end, n, last);
+      f.completes[1] = arrive(counters, f.start[1], f.end[1]);
+    }
+    finishes[item] = f;
+  }
+  __syncthreads();
+  if (!active) return;
+  const Finish& f = finishes[item];
+  for (int role = 0; role < 2; ++role) {
+    if (!f.completes[role]) continue;
+    __threadfence();  // every piece of the row was counted in after being written: read them after the count
+    finish_spanning_row<T, VEC>(out, tile_partials, f.row[role], f.start[role], f.end[role], dim, scale_grad_by_freq,
+                                lane, group);
+  }
+}
+
+template <class T>
+void reduce_small_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+  using Acc = typename ElementTraits<T>::Acc;
+  constexpr int kWide = wide_vector<T>();
+  const bool wide = use_wide_vectors<T>(a, out);
+  const int vec = wide ? kWide : 1;
+  const Geometry tiles = geometry_for(tile_count(a.num_indices), a.dim / vec);
+  const auto sentinel = static_cast<uint32_t>(a.num_weights);
+  auto* const counters = reinterpret_cast<uint32_t*>(w.tile_pieces);
+  if (wide)
+    reduce_small<T, kWide><<<tiles.blocks, kThreads, 0, stream>>>(
+        static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim, sentinel,
+        a.scale_grad_by_freq, static_cast<T*>(out), static_cast<Acc*>(w.tile_partials), counters, tiles.group);
+  else
+    reduce_small<T, 1><<<tiles.blocks, kThreads, 0, stream>>>(
+        static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim, sentinel,
+        a.scale_grad_by_freq, static_cast<T*>(out), static_cast<Acc*>(w.tile_partials), counters, tiles.group);
+  GS_CUDA_CHECK_LAUNCH();
+}
+
+// The widest store (at most 16 bytes) that divides the row and the output's alignment.
+int zero_unit_bytes(const void* out, int64_t row_bytes) {
+  int unit = 16;
+  while (unit > 2 && (row_bytes % unit != 0 || reinterpret_cast<uintptr_t>(out) % unit != 0)) unit /= 2;
+  return unit;
+}
+
+}  // namespace
+
+bool embedding_backward_cuda_small_path(int64_t num_indices, int64_t dim, int64_t num_weights, std::size_t elem_bytes) {
+  if (num_indices < 1 || num_indices > kSmallMaxIndices || dim < 1 || num_weights < 1) return false;
+  if (composite_key_bits(num_indices, num_weights) > 32) return false;
+  const int64_t row_bytes = dim * static_cast<int64_t>(elem_bytes);
+  const ZeroGrid grid = zero_grid(num_indices, num_weights, row_bytes);
+  // A zero-filling block counts its 2-byte units in 32 bits; the grid fits in one dimension.
+  return grid.rows_per_block * (row_bytes / 2) < (int64_t{1} << 31) && grid.blocks < (int64_t{1} << 31) - 1;
+}
+
+void embedding_backward_dense_cuda_small(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* out,
+                                         void* workspace, const embedding_detail::CudaWorkspaceLayout& layout,
+                                         DeviceErrorRecord* error, cudaStream_t stream) {
+  const Workspace w = carve(workspace, layout);
+  const std::size_t elem = dtype_size(a.grad_dtype);
+  const int64_t row_bytes = a.dim * static_cast<int64_t>(elem);
+  const ZeroGrid grid = zero_grid(a.num_indices, a.num_weights, row_bytes);
+  const int unit = zero_unit_bytes(out, row_bytes);
+  const auto occurs_bytes = static_cast<std::size_t>((grid.rows_per_block + 31) / 32 * 4);
+  const int n = static_cast<int>(a.num_indices);
+  const int pos_bits = position_bits(a.num_indices), end_bit = composite_key_bits(a.num_indices, a.num_weights);
+  auto* const counters = reinterpret_cast<uint32_t*>(w.tile_pieces);
+  const auto units_per_row = static_cast<uint32_t>(row_bytes / unit);
+  const auto launch = [&](auto kernel, const auto* indices) {
+    kernel<<<1 + grid.blocks, kSmallThreads, occurs_bytes, stream>>>(
+        indices, n, a.num_weights, padding_idx, pos_bits, end_bit, w.keys_sorted, w.positions_sorted, counters,
+        tile_count(a.num_indices), static_cast<char*>(out), grid.rows_per_block, units_per_row, unit, error);
+  };
+  const auto launch_for = [&](const auto* indices) {
+    using Index = std::remove_cv_t<std::remove_pointer_t<decltype(indices)>>;
+    if (n <= kSmallThreads) launch(sort_and_zero<Index, 1>, indices);
+    else if (n <= kSmallThreads * 4) launch(sort_and_zero<Index, 4>, indices);
+    else launch(sort_and_zero<Index, kSortItemsMax>, indices);
+  };
+  if (a.index_dtype == DType::Int32) launch_for(static_cast<const int32_t*>(a.indices));
+  else launch_for(static_cast<const int64_t*>(a.indices));
+  GS_CUDA_CHECK_LAUNCH();
+  switch (a.grad_dtype) {
+    case DType::Float32: reduce_small_typed<float>(a, w, out, stream); break;
+    case DType::Float64: reduce_small_typed<double>(a, w, out, stream); break;
+    case DType::Float16: reduce_small_typed<f16_t>(a, w, out, stream); break;
+    case DType::BFloat16: reduce_small_typed<bf16_t>(a, w, out, stream); break;
+    default: throw std::invalid_argument("embedding_backward: unsupported grad dtype");
+  }
+}
+
+}  // namespace graphsafe
