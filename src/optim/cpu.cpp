@@ -1,4 +1,4 @@
-// CPU backend of the optimizer step: the shared rules in a loop, parallel with OpenMP over a large tensor's
+// CPU backend of the optimizer step: the shared rules in a loop, parallel (cpu_parallel.h) over a large tensor's
 // elements, or over the tensors of a step of many small ones.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
@@ -7,13 +7,10 @@
 #include <string>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "graphsafe/optim.h"
 #include "optim/backend.h"
 #include "optim/blockwise.h"
+#include "optim/cpu_parallel.h"
 #include "optim/cpu_quantize.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
@@ -24,40 +21,41 @@ namespace {
 
 using namespace optim_detail;
 
-// Below this many elements a parallel region costs more than it saves (and oversubscribed machines make
-// idle OpenMP threads very expensive), so small tensors run on the calling thread.
+// Below this many elements a job for the helper threads costs more than it saves, so small tensors run on the
+// calling thread.
 constexpr int64_t kParallelMinElements = 1 << 16;
 
-// Runs body(i) for every i in [0, n): on OpenMP's threads for a tensor of numel >= kParallelMinElements, else in a
-// plain loop on this thread. (An `if` clause on the pragma still enters a parallel region for every tensor: in a
-// step of many small tensors, that was most of the core's time.)
+// The elements of one chunk of a parallel job: 512 KB of each fp32 array, so that claiming a chunk (one atomic
+// add) costs nothing next to it, and a step of one large tensor has enough chunks that a late or descheduled
+// helper leaves little for the caller to wait on.
+constexpr int64_t kChunkOfElements = int64_t(1) << 17;
+
+// Runs body(i) for every i in [0, n) (n items covering numel elements in all): on the step's threads, in chunks of
+// about kChunkOfElements elements, for numel >= kParallelMinElements; else in a plain loop on this thread.
 template <class Body>
 void for_each_index(int64_t n, int64_t numel, Body body) {
-  if (numel >= kParallelMinElements) {
-#pragma omp parallel for schedule(static)
+  if (numel < kParallelMinElements || n < 2) {
     for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) body(i);
-  }
-}
-
-// Runs body(begin, end) over [0, n) in contiguous ranges: one per OpenMP thread (static split) for a tensor of
-// numel >= kParallelMinElements, else the whole range on this thread.
-template <class Body>
-void for_each_range(int64_t n, int64_t numel, Body body) {
-#if defined(_OPENMP)
-  if (numel >= kParallelMinElements) {
-#pragma omp parallel
-    {
-      const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-      const int64_t share = n / threads, extra = n % threads;
-      const int64_t begin = thread * share + std::min(thread, extra);
-      body(begin, begin + share + (thread < extra ? 1 : 0));
-    }
     return;
   }
-#endif
-  body(int64_t(0), n);
+  const int64_t per_chunk = std::max<int64_t>(1, n * kChunkOfElements / numel);
+  parallel_chunks((n + per_chunk - 1) / per_chunk, [&](int64_t c) {
+    const int64_t end = std::min(n, (c + 1) * per_chunk);
+    for (int64_t i = c * per_chunk; i < end; ++i) body(i);
+  });
+}
+
+// Runs body(begin, end) over [0, n) in contiguous ranges of kChunkOfElements: on the step's threads for
+// n >= kParallelMinElements, else the whole range at once on this thread.
+template <class Body>
+void for_each_range(int64_t n, Body body) {
+  if (n < kParallelMinElements) {
+    body(int64_t(0), n);
+    return;
+  }
+  parallel_chunks((n + kChunkOfElements - 1) / kChunkOfElements, [&](int64_t c) {
+    body(c * kChunkOfElements, std::min(n, (c + 1) * kChunkOfElements));
+  });
 }
 
 // One tensor's elements with States states stored as S (fp32, or bf16 for 16-bit states); States is the
@@ -140,7 +138,7 @@ GS_CPU_VECTOR_CLONES void update_range(const OptimOptions& o, const Coefficients
 
 template <class T, class S, int States, class Rule>
 void update_elements(const OptimOptions& o, const Coefficients& k, const ElementView<T, S, States>& e, Rule rule) {
-  for_each_range(e.t.numel, e.t.numel, [&](int64_t begin, int64_t end) { update_range(o, k, e, rule, begin, end); });
+  for_each_range(e.t.numel, [&](int64_t begin, int64_t end) { update_range(o, k, e, rule, begin, end); });
 }
 
 // ---- 8-bit states: one quantisation block at a time ----
@@ -352,9 +350,9 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
       elementwise<T, States>(o, k, tensors[t], a);
     }
   };
-  // A tensor of kParallelMinElements elements or more spreads its own elements over the threads (for_each_index);
-  // smaller ones run on one thread each, so a step of many small tensors spreads the tensors over the threads, in
-  // one parallel region (when there is enough work for one). Every tensor's result is the same on any thread.
+  // A tensor of kParallelMinElements elements or more spreads its own elements over the threads (for_each_range,
+  // for_each_index); smaller ones run on one thread each, so a step of many small tensors spreads the tensors over
+  // the threads, in one job (when there is enough work for one). Every tensor's result is the same on any thread.
   std::vector<int> small;
   int64_t small_elements = 0;
   for (int t = 0; t < count; ++t) {
@@ -367,8 +365,7 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   }
   const int n = static_cast<int>(small.size());
   if (n > 1 && small_elements >= kParallelMinElements) {
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int i = 0; i < n; ++i) step_tensor(small[i]);
+    parallel_chunks(n, [&](int64_t i) { step_tensor(small[i]); });
   } else {
     for (int i = 0; i < n; ++i) step_tensor(small[i]);
   }
