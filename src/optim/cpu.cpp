@@ -1,4 +1,4 @@
-// CPU backend of the optimizer step: the shared rules in a loop, parallel (cpu_parallel.h) over a large tensor's
+// CPU backend of the optimizer step: the shared rules in a loop, parallel with OpenMP over a large tensor's
 // elements, or over the tensors of a step of many small ones.
 // Layer-wise norms are summed per fixed chunk and the chunks in order, so every run gives the same bits.
 #include <algorithm>
@@ -10,7 +10,6 @@
 #include "graphsafe/optim.h"
 #include "optim/backend.h"
 #include "optim/blockwise.h"
-#include "optim/cpu_parallel.h"
 #include "optim/cpu_quantize.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
@@ -21,13 +20,23 @@ namespace {
 
 using namespace optim_detail;
 
-// Below this many elements a job for the helper threads costs more than it saves, so small tensors run on the
-// calling thread.
+// Below this many elements a parallel region costs more than it saves (and oversubscribed machines make idle OpenMP
+// threads very expensive), so small tensors run on the calling thread.
 constexpr int64_t kParallelMinElements = 1 << 16;
 
-// The elements of one chunk of a parallel job: 512 KB of each fp32 array, so that claiming a chunk (one atomic
-// add) costs nothing next to it, and a step of one large tensor has enough chunks that a late or descheduled
-// helper leaves little for the caller to wait on.
+// Runs body(c) for every c in [0, chunks) on OpenMP's threads, each claiming the next chunk when it is free (a
+// dynamic schedule): on a machine shared with other work a thread that loses its core for a while leaves its share
+// to the others instead of holding up the step. OpenMP's threads, not threads of graphsafe's own: torch runs on the
+// same OpenMP threads, and a pool of its own lost time to them (they spin after each torch region on the cores its
+// helpers needed) when torch work and steps alternate, as in training.
+template <class Body>
+void parallel_chunks(int64_t chunks, Body body) {
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) body(c);
+}
+
+// The elements of one chunk of a parallel loop: 512 KB of each fp32 array, so that claiming a chunk costs nothing
+// next to it, and a step of one large tensor has enough chunks that a descheduled thread leaves little to wait on.
 constexpr int64_t kChunkOfElements = int64_t(1) << 17;
 
 // Runs body(i) for every i in [0, n) (n items covering numel elements in all): on the step's threads, in chunks of
@@ -352,7 +361,7 @@ void run(const OptimStepArgs& a, const OptimTensor* tensors, int count, float* w
   };
   // A tensor of kParallelMinElements elements or more spreads its own elements over the threads (for_each_range,
   // for_each_index); smaller ones run on one thread each, so a step of many small tensors spreads the tensors over
-  // the threads, in one job (when there is enough work for one). Every tensor's result is the same on any thread.
+  // the threads, in one parallel loop (when there is enough work for one). Every tensor's result is the same on any thread.
   std::vector<int> small;
   int64_t small_elements = 0;
   for (int t = 0; t < count; ++t) {
