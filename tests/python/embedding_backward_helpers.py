@@ -1,6 +1,7 @@
-"""Helpers of the CPU embedding-backward tests (test_embedding_backward_*.py): the op and a call of it with
-default options, the check against aten's float64 reference within the derived error bound, an independent
-sequential implementation of the documented reduction order, and gradients whose summation order shows in the bits.
+"""Helpers of the embedding-backward tests (test_embedding_backward_*.py, test_embedding_cuda_small_path.py): the op
+and a call of it with default options, the check against aten's float64 reference within the derived error bound,
+an independent sequential implementation of the documented reduction order, gradients whose summation order shows
+in the bits, and buffers with canaries around them (CUDA tests of what a kernel writes out of bounds).
 """
 
 from __future__ import annotations
@@ -107,3 +108,21 @@ def wide_range_grad(shape, dtype, generator):
     if dtype == torch.float16:
         values = values.clamp(-60000, 60000)
     return values.to(dtype)
+
+
+CANARY_BYTES = 512
+CANARY = 0xA5
+
+
+class Canaried:
+    """A [numel] dtype view with CANARY_BYTES of 0xA5 on each side (its own bytes start as 0xA5 too, so anything
+    left unwritten also shows). The offset keeps the view 256-byte aligned, as the CUDA workspace must be."""
+
+    def __init__(self, numel, dtype, device="cuda"):
+        self.nbytes = numel * dtype.itemsize
+        self.buffer = torch.full((self.nbytes + 2 * CANARY_BYTES,), CANARY, dtype=torch.uint8, device=device)
+        self.view = self.buffer[CANARY_BYTES:CANARY_BYTES + self.nbytes].view(dtype)
+
+    def intact(self):
+        return bool((self.buffer[:CANARY_BYTES] == CANARY).all()) and bool(
+            (self.buffer[CANARY_BYTES + self.nbytes:] == CANARY).all())

@@ -29,6 +29,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
+from embedding_backward_helpers import Canaried
 
 pytestmark = requires_cuda
 
@@ -294,23 +295,6 @@ def test_cuda_graph_capture_and_replay(dtype, index_dtype, dim, padding_idx, sca
 # --------------------------------------------------------------------------------------------------------
 # Out-of-range indices, with canaries around every buffer the op writes
 # --------------------------------------------------------------------------------------------------------
-
-CANARY_BYTES = 512
-CANARY = 0xA5
-
-
-class Canaried:
-    """A [numel] dtype view with CANARY_BYTES of 0xA5 on each side (its own bytes start as 0xA5 too, so anything
-    left unwritten also shows). The offset keeps the view 256-byte aligned, as the CUDA workspace must be."""
-
-    def __init__(self, numel, dtype):
-        self.nbytes = numel * dtype.itemsize
-        self.buffer = torch.full((self.nbytes + 2 * CANARY_BYTES,), CANARY, dtype=torch.uint8, device=CUDA)
-        self.view = self.buffer[CANARY_BYTES:CANARY_BYTES + self.nbytes].view(dtype)
-
-    def intact(self):
-        return bool((self.buffer[:CANARY_BYTES] == CANARY).all()) and bool(
-            (self.buffer[CANARY_BYTES + self.nbytes:] == CANARY).all())
 
 
 class RawSparseCall:

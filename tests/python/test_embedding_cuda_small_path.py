@@ -30,6 +30,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
+from embedding_backward_helpers import Canaried
 
 pytestmark = requires_cuda
 
@@ -152,22 +153,6 @@ def test_misaligned_grad_below_the_threshold(dtype):
 # --------------------------------------------------------------------------------------------------------
 # Capture, replay and out-of-range indices, with canaries around the output and the workspace
 # --------------------------------------------------------------------------------------------------------
-
-CANARY_BYTES = 512
-CANARY = 0xA5
-
-
-class Canaried:
-    """A [numel] dtype view with CANARY_BYTES of 0xA5 on each side; the offset keeps it 256-byte aligned."""
-
-    def __init__(self, numel, dtype):
-        self.nbytes = numel * dtype.itemsize
-        self.buffer = torch.full((self.nbytes + 2 * CANARY_BYTES,), CANARY, dtype=torch.uint8, device=CUDA)
-        self.view = self.buffer[CANARY_BYTES:CANARY_BYTES + self.nbytes].view(dtype)
-
-    def intact(self):
-        return bool((self.buffer[:CANARY_BYTES] == CANARY).all()) and bool(
-            (self.buffer[CANARY_BYTES + self.nbytes:] == CANARY).all())
 
 
 class RawDenseCall:
