@@ -1,11 +1,14 @@
 """The `optim` suite: one whole optimizer.step(), graphsafe vs torch.optim, as % of copy bandwidth.
 
-Three groups of measurements, each one record per method:
+Six groups of measurements, each one record per method:
 - compare: AdamW and SGD (momentum 0.9) at 4M, 64M and 256M elements, fp32 and bf16 params, in one tensor and
   in 200, graphsafe next to torch.optim's fused implementation (its foreach one where fused does not run, and
   labelled so); on CUDA a row bound by the host is measured in HOST_BOUND_ROUNDS rounds, its methods in
   alternating order, and each method reports the median of its rounds (the host's speed drifts within a run);
 - algorithms: every graphsafe algorithm at 64M fp32 elements in one tensor (8bit: those that take 8-bit states);
+- state_bits: AdamW and Lion at 16M fp32 elements in one tensor and in 200, graphsafe with 32-bit and with 8-bit
+  states on the same parameters, measured as the compare rows are but on CUDA always in HOST_BOUND_ROUNDS rounds
+  (the ×200 steps are bound by the host); the 8-bit record's speedup_vs_32bit is the 32-bit median / its own;
 - graph: graphsafe AdamW at 64M fp32 captured in a CUDA graph and replayed (host overhead gone), checked
   bitwise against the same steps taken eagerly (CUDA only);
 - host: the host time of an eager step alone, AdamW and SGD at 4M fp32 in one tensor and in 200, graphsafe
@@ -24,6 +27,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections import Counter
 from functools import lru_cache
 
 import torch
@@ -31,9 +35,10 @@ import torch
 import graphsafe.optim
 
 from .harness import BenchContext, Suite, register_suite
-from .optim_cases import (GRAPH_CHECK_REPLAYS, GRAPH_WARMUP_STEPS, GRAPHSAFE_METHODS, HOST_BOUND_ROUNDS,
-                          HOST_BOUND_SHARE, HOST_CALLS, HOST_RUNS, OPTIONS, SAME_STORAGE_METHOD, TWO_PASS, OptimCase,
-                          algorithm_cases, compare_cases, dtype_short, eight_bit_cases, graph_cases, host_cases)
+from .optim_cases import (EIGHT_BIT_METHOD, GRAPH_CHECK_REPLAYS, GRAPH_WARMUP_STEPS, GRAPHSAFE_METHODS,
+                          HOST_BOUND_ROUNDS, HOST_BOUND_SHARE, HOST_CALLS, HOST_RUNS, OPTIONS, SAME_STORAGE_METHOD,
+                          STATE_BITS_GROUP, TWO_PASS, OptimCase, algorithm_cases, compare_cases, dtype_short,
+                          eight_bit_cases, graph_cases, host_cases, state_bits_cases)
 from .optim_report import evaluate_targets, plot, render
 from .report import first_line
 from .timing import Timing, gbps, host_us_per_call, input_set_count, time_function
@@ -99,10 +104,16 @@ def min_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _describe_states(optimizer: torch.optim.Optimizer) -> tuple[list[str], str]:
-    states = state_tensors(optimizer, _params(optimizer)[0])
-    dtypes = sorted({dtype_short(s.dtype) for s in states.values()})
-    return list(states), "/".join(dtypes) or "-"
+def _describe_states(optimizer: torch.optim.Optimizer) -> tuple[list[str], str, dict[str, int]]:
+    """The first parameter's state names; the storage of the states over every parameter ("fp32", or e.g.
+    "8-bit ×150, fp32 ×50" where tensors under min_8bit_size kept fp32 states with state_bits=8); the number of
+    tensors per storage."""
+    per_tensor = Counter()
+    for p in _params(optimizer):
+        per_tensor["/".join(sorted({dtype_short(s.dtype) for s in state_tensors(optimizer, p).values()})) or "-"] += 1
+    names = list(state_tensors(optimizer, _params(optimizer)[0]))
+    mixed = ", ".join(f"{storage} ×{n}" for storage, n in sorted(per_tensor.items()))
+    return names, next(iter(per_tensor)) if len(per_tensor) == 1 else mixed, dict(per_tensor)
 
 
 def _release(device: torch.device) -> None:
@@ -196,11 +207,11 @@ def measure_method(ctx: BenchContext, case: OptimCase, method: str) -> dict:
         input_sets = build_input_sets(case, method, ctx)
         optimizer = input_sets[0][0]
         moved = min_bytes(optimizer)
-        names, state_dtype = _describe_states(optimizer)
+        names, state_dtype, tensors_by_state_dtype = _describe_states(optimizer)
         timing, host_ms = time_steps(lambda opt: opt.step(), input_sets, ctx)
         record |= _timing_fields(ctx, timing, host_ms, moved)
         record |= {"bytes_per_element": round(moved / case.total, 3), "states": names, "state_dtype": state_dtype,
-                   "input_sets": len(input_sets)}
+                   "tensors_by_state_dtype": tensors_by_state_dtype, "input_sets": len(input_sets)}
     except Exception as exc:  # one failing method must not hide the others' results
         record["error"] = first_line(exc)
     finally:
@@ -306,27 +317,37 @@ def compare_methods(case: OptimCase) -> list[str]:
     return ["torch", "graphsafe"] + ([SAME_STORAGE_METHOD] if case.dtype != torch.float32 else [])
 
 
+def row_methods(case: OptimCase) -> tuple[list[str], str]:
+    """A row's methods, the first the one the others are held against, and the field of that ratio: a compare row
+    against torch, a state_bits row's 8-bit states against 32-bit (the case's own state_bits)."""
+    if case.group == STATE_BITS_GROUP:
+        return ["graphsafe", EIGHT_BIT_METHOD], "speedup_vs_32bit"
+    return compare_methods(case), "speedup_vs_torch"
+
+
 def host_bound(records: list[dict]) -> bool:
     return any("ms_median" in r and r["host_ms"] >= HOST_BOUND_SHARE * r["ms_median"] for r in records)
 
 
 def measure_compare_case(ctx: BenchContext, case: OptimCase, rounds_wanted: int | None = None) -> list[dict]:
-    """One compare row: each method once, and on CUDA, where the row is bound by the host, in
-    HOST_BOUND_ROUNDS - 1 more rounds of alternating order (combine_rounds); speed-ups against torch's result.
-    rounds_wanted: that many rounds whatever the row (tools/time_compare_rounds.py)."""
-    methods = compare_methods(case)
+    """One compare or state_bits row: each of its methods (row_methods) once, and on CUDA, where the row is bound by
+    the host or is a state_bits row (its ×200 steps are, and the host's speed drifts within a run), in
+    HOST_BOUND_ROUNDS - 1 more rounds of alternating order (combine_rounds); speed-ups against the first method's
+    result. rounds_wanted: that many rounds whatever the row (tools/time_compare_rounds.py)."""
+    methods, speedup_field = row_methods(case)
     rounds = [[measure_method(ctx, case, m) for m in methods]]
     if rounds_wanted is None:
-        rounds_wanted = HOST_BOUND_ROUNDS if ctx.device.type == "cuda" and host_bound(rounds[0]) else 1
+        in_rounds = case.group == STATE_BITS_GROUP or host_bound(rounds[0])
+        rounds_wanted = HOST_BOUND_ROUNDS if ctx.device.type == "cuda" and in_rounds else 1
     for r in range(1, rounds_wanted):
         order = methods[::-1] if r % 2 else methods
         by_method = {m: measure_method(ctx, case, m) for m in order}
         rounds.append([by_method[m] for m in methods])
     records = [combine_rounds([round_[i] for round_ in rounds], ctx) for i in range(len(methods))]
-    torch_ms = records[0].get("ms_median")
+    base_ms = records[0].get("ms_median")
     for record in records[1:]:
-        if torch_ms is not None and "ms_median" in record:
-            record["speedup_vs_torch"] = round(torch_ms / record["ms_median"], 3)
+        if base_ms is not None and "ms_median" in record:
+            record[speedup_field] = round(base_ms / record["ms_median"], 3)
     return records
 
 
@@ -355,7 +376,7 @@ def run_suite(ctx: BenchContext) -> list[dict]:
         records.append(record)
         return record
 
-    for case in compare_cases(ctx.quick):
+    for case in compare_cases(ctx.quick) + state_bits_cases(ctx.quick):
         for record in measure_compare_case(ctx, case):
             emit(record)
     for case in algorithm_cases(ctx.quick) + eight_bit_cases(ctx.quick):
@@ -374,7 +395,8 @@ def run_suite(ctx: BenchContext) -> list[dict]:
 SUITE = register_suite(
     Suite(
         name="optim",
-        description="optimizer step: graphsafe vs torch.optim fused (AdamW, SGD), every algorithm, CUDA graph replay",
+        description=("optimizer step: graphsafe vs torch.optim fused (AdamW, SGD), every algorithm, 8-bit vs 32-bit "
+                     "states, CUDA graph replay"),
         run=run_suite,
         targets=evaluate_targets,
         render=render,
