@@ -89,8 +89,10 @@ def run_in_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeou
         pickle.dump({"module": module, "qualname": qualname, "world_size": world_size, "backend": backend,
                      "timeout": timeout}, f)
     torch.save(args, run_dir / "args.pt")
+    # PYTHONFAULTHANDLER: a rank killed by a signal (a crash in native code) writes every thread's Python stack to
+    # its log first, which the failure shows.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     procs: list[subprocess.Popen] = []
     logs = []
     try:
