@@ -59,12 +59,52 @@ def _check_embedding_backward_inputs(grad: Tensor, indices: Tensor, num_weights:
     _normalise_padding_idx(padding_idx, num_weights)
 
 
+# Signatures (see _signature) whose checks passed, so that a repeated call skips them. Insertion-ordered and bounded:
+# when full, the oldest half goes (a signature is cheap to check again). Only passes are remembered, so a bad call
+# is checked in full, and refused, every time.
+_PASSED_SIGNATURES: dict[tuple, None] = {}
+_MAX_SIGNATURES = 256
+
+
+def _signature(*args) -> tuple | None:
+    """Everything the input checks read, as a hashable key, when the tensors among args are plain dense ones (the
+    class Tensor itself, strided, not nested, contiguous): then the checks' outcome is a function of the key. None
+    otherwise (a subclass, a Parameter, a sparse, nested or strided view...): such a call is checked in full."""
+    key = []
+    for a in args:
+        if isinstance(a, Tensor):
+            if type(a) is not Tensor or a.layout != torch.strided or a.is_nested or not a.is_contiguous():
+                return None
+            key += (a.dtype, a.device, a.shape)
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _checked_before(signature: tuple | None) -> bool:
+    return signature is not None and signature in _PASSED_SIGNATURES
+
+
+def _remember_passed(signature: tuple | None) -> None:
+    if signature is None:
+        return
+    if len(_PASSED_SIGNATURES) >= _MAX_SIGNATURES:
+        for old in list(_PASSED_SIGNATURES)[: _MAX_SIGNATURES // 2]:
+            del _PASSED_SIGNATURES[old]
+    _PASSED_SIGNATURES[signature] = None
+
+
 def _check_embedding_backward_call(name: str, grad: Tensor, indices: Tensor, num_weights: int,
                                    padding_idx: int) -> None:
-    """What the dense and the row-sparse backward check before they allocate anything."""
-    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
-    require_readable(name, "grad", grad)
-    require_readable(name, "indices", indices)
+    """What the dense and the row-sparse backward check before they allocate anything. The checks run in full for
+    every signature not seen passing before (they do not depend on `name` when they pass); the pending device
+    error is read at every CUDA call."""
+    signature = _signature("embedding_backward", grad, indices, num_weights, padding_idx)
+    if not _checked_before(signature):
+        _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+        require_readable(name, "grad", grad)
+        require_readable(name, "indices", indices)
+        _remember_passed(signature)
     if grad.device.type == "cuda":
         raise_pending_device_error()
 
@@ -74,21 +114,111 @@ def _run_embedding_backward(name: str, grad: Tensor, indices: Tensor, num_weight
     """The dense or the row-sparse backward (name: its binding, which `name`_workspace_bytes sizes) into the
     outputs' addresses, with the workspace it asks for (the call checked by _check_embedding_backward_call)."""
     device = grad.device
-    num_indices, dim = indices.numel(), grad.shape[-1]
-    workspace_bytes = getattr(_C, f"{name}_workspace_bytes")(device.type, device.index or 0, dtype_name(grad.dtype),
+    num_indices, dim, grad_dtype = indices.numel(), grad.shape[-1], dtype_name(grad.dtype)
+    workspace_bytes = getattr(_C, f"{name}_workspace_bytes")(device.type, device.index or 0, grad_dtype,
                                                              num_indices, dim, num_weights)
     workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
     run = _C.embedding_backward_dense if name == "embedding_backward" else _C.embedding_backward_sparse
-    run(device.type, device.index or 0, current_stream(device), *outputs, grad.data_ptr(), dtype_name(grad.dtype),
+    run(device.type, device.index or 0, current_stream(device), *outputs, grad.data_ptr(), grad_dtype,
         indices.data_ptr(), dtype_name(indices.dtype), num_indices, dim, num_weights, padding_idx, scale_grad_by_freq,
-        workspace.data_ptr(), workspace.numel())
+        workspace.data_ptr(), workspace_bytes)
 
 
-@torch.library.custom_op("graphsafe::embedding_backward", mutates_args=())
-def embedding_backward(
-    grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1, scale_grad_by_freq: bool = False
-) -> Tensor:
-    """Dense gradient [num_weights, D] of an embedding lookup, deterministic and free of host syncs.
+# ---- registration ----
+# The ops are declared with torch.library.Library rather than torch.library.custom_op: custom_op wraps every call in
+# several Python layers (an autograd kernel that redispatches, a backend wrapper with an aliasing check and a
+# dynamo-disable wrapper), which cost more host time than the op itself at small sizes. What custom_op gave and
+# must hold here: the schema with the pt2_compliant tag, the fake kernel (also the Meta kernel), the kernel at
+# CompositeExplicitAutograd (every backend; the checks refuse what is not cpu or cuda), an Autograd kernel (the
+# embedding's backward rule; for the two backward ops an error when something backpropagates through them), and
+# dynamo kept out of the kernels. The outputs are fresh tensors, so they never alias an input.
+_LIB = torch.library.Library("graphsafe", "FRAGMENT")
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+# Keys left after the Autograd key for a plain CPU or CUDA call: the dispatcher goes straight to the kernel then,
+# so the Autograd kernel calls it directly instead of redispatching (any other key, such as Python for fake or
+# subclass tensors or Functionalize, goes through the dispatcher).
+_KERNEL_ONLY = (torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA))
+_dynamo_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_dynamo_callback = getattr(_dynamo_callback, "get_eval_frame_callback", None)
+
+
+def _outside_dynamo(kernel):
+    """kernel, run with dynamo's frame hook off (as custom_op runs its kernels) when the hook is on, i.e. when the op
+    runs eagerly inside a torch.compile'd region; torch._disable_dynamo's wrapper costs host time, so it is only
+    used then."""
+    disabled = torch._disable_dynamo(kernel)
+
+    def run(*args):
+        if _dynamo_callback is not None and _dynamo_callback() is None:
+            return kernel(*args)
+        return disabled(*args)
+
+    return run
+
+
+def _define(schema: str, kernel, fake, setup_context=None, backward=None):
+    """Declares graphsafe::<schema> with kernel (every backend), fake (FakeTensor and Meta) and an Autograd kernel
+    (backward(ctx, *grads) with setup_context(ctx, inputs, output) as in torch.library.register_autograd; without
+    them, backpropagating through the op raises custom_op's RuntimeError). Returns the op's OpOverload."""
+    name = schema[: schema.index("(")]
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    op = getattr(torch.ops.graphsafe, name).default
+    # The arguments' defaults: the dispatcher leaves out trailing arguments equal to them; autograd gets all.
+    defaults = tuple(a.default_value for a in op._schema.arguments)
+    run = _outside_dynamo(kernel)
+    _LIB.impl(name, run, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"graphsafe::{name}", fake, lib=_LIB)
+
+    def forward(ctx, *args):  # args: the op's arguments, then the dispatch keyset (not differentiable)
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op.redispatch(args[-1] & _AFTER_AUTOGRAD, *args[:-1])
+        if setup_context is not None:
+            setup_context(ctx, args[:-1], output)
+        return output
+
+    def backward_through(ctx, *grads):
+        if backward is None:
+            raise RuntimeError(f"Trying to backward through {op} but no autograd formula was registered. "
+                               f"Please use register_autograd to add one.")
+        return (*backward(ctx, *grads), None)
+
+    function = type(f"GraphsafeBackwardFor_{name}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_through)})
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(*args, *defaults[len(args):], keyset)
+        below = keyset & _AFTER_AUTOGRAD
+        with torch._C._AutoDispatchBelowAutograd():
+            if below in _KERNEL_ONLY:
+                return run(*args)
+            return op.redispatch(below, *args)
+
+    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return op
+
+
+def _embedding_backward_kernel(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
+                               scale_grad_by_freq: bool = False) -> Tensor:
+    _check_embedding_backward_call("embedding_backward", grad, indices, num_weights, padding_idx)
+    out = torch.empty((num_weights, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+    _run_embedding_backward("embedding_backward", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
+                            (out.data_ptr(),))
+    return out
+
+
+def _embedding_backward_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
+    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
+    return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+embedding_backward = _define(
+    "embedding_backward(Tensor grad, Tensor indices, SymInt num_weights, SymInt padding_idx=-1, "
+    "bool scale_grad_by_freq=False) -> Tensor",
+    _embedding_backward_kernel, _embedding_backward_fake)
+embedding_backward.__doc__ = """embedding_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False)
+
+    Dense gradient [num_weights, D] of an embedding lookup, deterministic and free of host syncs.
 
     grad: [..., D] float32/float16/bfloat16/float64 (the gradient of the looked-up rows), contiguous.
     indices: [...] int32/int64, the rows that were looked up, contiguous, on grad's device.
@@ -98,24 +228,37 @@ def embedding_backward(
     identical on CPU and CUDA. Out-of-range indices raise IndexError on the CPU; on CUDA they are left out
     of the sum and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
     """
-    _check_embedding_backward_call("embedding_backward", grad, indices, num_weights, padding_idx)
-    out = torch.empty((num_weights, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
-    _run_embedding_backward("embedding_backward", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
-                            (out.data_ptr(),))
-    return out
 
 
-@embedding_backward.register_fake
-def _embedding_backward_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
+def _embedding_backward_sparse_kernel(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
+                                      scale_grad_by_freq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    _check_embedding_backward_call("embedding_backward_sparse", grad, indices, num_weights, padding_idx)
+    capacity, device = min(indices.numel(), num_weights), grad.device
+    rows = torch.empty((capacity,), dtype=torch.int64, device=device)
+    row_grads = torch.empty((capacity, grad.shape[-1]), dtype=grad.dtype, device=device)
+    count = torch.empty((), dtype=torch.int64, device=device)
+    _run_embedding_backward("embedding_backward_sparse", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
+                            (rows.data_ptr(), row_grads.data_ptr(), count.data_ptr()))
+    return rows, row_grads, count
+
+
+def _embedding_backward_sparse_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
     _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
-    return grad.new_empty((num_weights, grad.shape[-1]))
+    capacity = torch.sym_min(indices.numel(), num_weights)  # no guard on a symbolic N
+    return (
+        grad.new_empty((capacity,), dtype=torch.int64),
+        grad.new_empty((capacity, grad.shape[-1])),
+        grad.new_empty((), dtype=torch.int64),
+    )
 
 
-@torch.library.custom_op("graphsafe::embedding_backward_sparse", mutates_args=())
-def embedding_backward_sparse(
-    grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1, scale_grad_by_freq: bool = False
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Row-sparse gradient of an embedding lookup: (rows, row_grads, count), free of host syncs.
+embedding_backward_sparse = _define(
+    "embedding_backward_sparse(Tensor grad, Tensor indices, SymInt num_weights, SymInt padding_idx=-1, "
+    "bool scale_grad_by_freq=False) -> (Tensor, Tensor, Tensor)",
+    _embedding_backward_sparse_kernel, _embedding_backward_sparse_fake)
+embedding_backward_sparse.__doc__ = """embedding_backward_sparse(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False)
+
+    Row-sparse gradient of an embedding lookup: (rows, row_grads, count), free of host syncs.
 
     Takes embedding_backward's arguments, with the same checks and errors. With N = indices.numel() and
     U = min(N, num_weights):
@@ -129,25 +272,6 @@ def embedding_backward_sparse(
     Out-of-range indices raise IndexError on the CPU before anything is written; on CUDA they get no slot and
     raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or graphsafe.check_errors().
     """
-    _check_embedding_backward_call("embedding_backward_sparse", grad, indices, num_weights, padding_idx)
-    capacity, device = min(indices.numel(), num_weights), grad.device
-    rows = torch.empty((capacity,), dtype=torch.int64, device=device)
-    row_grads = torch.empty((capacity, grad.shape[-1]), dtype=grad.dtype, device=device)
-    count = torch.empty((), dtype=torch.int64, device=device)
-    _run_embedding_backward("embedding_backward_sparse", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
-                            (rows.data_ptr(), row_grads.data_ptr(), count.data_ptr()))
-    return rows, row_grads, count
-
-
-@embedding_backward_sparse.register_fake
-def _embedding_backward_sparse_fake(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
-    _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
-    capacity = torch.sym_min(indices.numel(), num_weights)  # no guard on a symbolic N
-    return (
-        grad.new_empty((capacity,), dtype=torch.int64),
-        grad.new_empty((capacity, grad.shape[-1])),
-        grad.new_empty((), dtype=torch.int64),
-    )
 
 
 def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:
@@ -164,15 +288,7 @@ def _check_embedding_inputs(weight: Tensor, indices: Tensor) -> None:
         raise IndexError(f"embedding: the weight has 0 rows, so none of the {indices.numel()} indices is in range")
 
 
-@torch.library.custom_op("graphsafe::embedding", mutates_args=())
-def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:
-    """Embedding lookup weight[indices] whose backward is graphsafe's embedding_backward.
-
-    Out-of-range indices raise IndexError on the CPU; on CUDA they yield zero rows (nothing is read out of
-    bounds, also in a replayed graph) and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or
-    graphsafe.check_errors(), instead of the device-side assert that stops torch's own kernel. (A
-    non-contiguous weight goes through torch's F.embedding, and so through that assert.)
-    """
+def _embedding_kernel(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False) -> Tensor:
     _check_embedding_inputs(weight, indices)
     _normalise_padding_idx(padding_idx, weight.shape[0])
     if weight.device.type not in ("cpu", "cuda") or not weight.is_contiguous() or weight.layout != torch.strided:
@@ -198,7 +314,6 @@ def embedding(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad
     return out
 
 
-@embedding.register_fake
 def _embedding_fake(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
     _check_embedding_inputs(weight, indices)
     return weight.new_empty((*indices.shape, weight.shape[-1]))
@@ -222,7 +337,18 @@ def _embedding_backward_rule(ctx, grad_output):
     return grad_weight, None, None, None
 
 
-embedding.register_autograd(_embedding_backward_rule, setup_context=_embedding_setup_context)
+embedding = _define(
+    "embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False) -> Tensor",
+    _embedding_kernel, _embedding_fake, _embedding_setup_context, _embedding_backward_rule)
+embedding.__doc__ = """embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False)
+
+    Embedding lookup weight[indices] whose backward is graphsafe's embedding_backward.
+
+    Out-of-range indices raise IndexError on the CPU; on CUDA they yield zero rows (nothing is read out of
+    bounds, also in a replayed graph) and raise graphsafe.DeviceIndexError at the next graphsafe CUDA call or
+    graphsafe.check_errors(), instead of the device-side assert that stops torch's own kernel. (A
+    non-contiguous weight goes through torch's F.embedding, and so through that assert.)
+    """
 
 
 # ---- 8-bit blockwise quantisation (docs/optim.md "8-bit states") ----
