@@ -234,23 +234,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// reduce_small's vector width: 16-byte accesses, unless vectors half as wide still give each vector of a row its own
+// thread of a block. With few tiles the kernel is bound by each thread's chain of loads and additions (a tile's
+// positions one after another), and a row over twice the threads halves every chain; each element's additions stay
+// the same, so the bits do too.
+template <class T>
+int small_path_vector(const EmbeddingBackwardArgs& a, const void* out) {
+  constexpr int kWide = wide_vector<T>();
+  if (!use_wide_vectors<T>(a, out)) return 1;
+  return a.dim / kWide < kThreads && a.dim / (kWide / 2) <= kThreads ? kWide / 2 : kWide;
+}
+
+template <class T, int VEC>
+void launch_reduce_small(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+  using Acc = typename ElementTraits<T>::Acc;
+  const Geometry tiles = geometry_for(tile_count(a.num_indices), a.dim / VEC);
+  reduce_small<T, VEC><<<tiles.blocks, kThreads, 0, stream>>>(
+      static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim,
+      static_cast<uint32_t>(a.num_weights), a.scale_grad_by_freq, static_cast<T*>(out),
+      static_cast<Acc*>(w.tile_partials), reinterpret_cast<uint32_t*>(w.tile_pieces), tiles.group);
+}
+
 template <class T>
 void reduce_small_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
-  using Acc = typename ElementTraits<T>::Acc;
-  constexpr int kWide = wide_vector<T>();
-  const bool wide = use_wide_vectors<T>(a, out);
-  const int vec = wide ? kWide : 1;
-  const Geometry tiles = geometry_for(tile_count(a.num_indices), a.dim / vec);
-  const auto sentinel = static_cast<uint32_t>(a.num_weights);
-  auto* const counters = reinterpret_cast<uint32_t*>(w.tile_pieces);
-  if (wide)
-    reduce_small<T, kWide><<<tiles.blocks, kThreads, 0, stream>>>(
-        static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim, sentinel,
-        a.scale_grad_by_freq, static_cast<T*>(out), static_cast<Acc*>(w.tile_partials), counters, tiles.group);
-  else
-    reduce_small<T, 1><<<tiles.blocks, kThreads, 0, stream>>>(
-        static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim, sentinel,
-        a.scale_grad_by_freq, static_cast<T*>(out), static_cast<Acc*>(w.tile_partials), counters, tiles.group);
+  constexpr int kWide = wide_vector<T>(), kHalf = kWide / 2;
+  const int vec = small_path_vector<T>(a, out);
+  if (vec == kWide) launch_reduce_small<T, kWide>(a, w, out, stream);
+  else if (vec == kHalf) launch_reduce_small<T, kHalf>(a, w, out, stream);
+  else launch_reduce_small<T, 1>(a, w, out, stream);
   GS_CUDA_CHECK_LAUNCH();
 }
 
