@@ -159,10 +159,6 @@ __device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ p
 // Level 1 for one tile (the work of one item of reduce_tiles, and of the small path's reduce_small): runs of a row
 // are summed in position order; a row that lies inside the tile is finished, a piece of a longer row goes to the
 // tile's partial slot (piece_slot). `lane` of `group` threads share the row's vectors.
-// Where the tile's runs end, whether its first run began in an earlier tile and whether its last goes on past it
-// are read from keys once, in loads that do not wait on one another; the additions then test bits of a register.
-// (Testing the next position's key at each addition made every warp a chain of dependent loads: latency-bound
-// whenever few tiles run, as on the small path.)
 template <class T, int VEC, class Slot>
 __device__ void sum_tile_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
                               const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
@@ -170,24 +166,11 @@ __device__ void sum_tile_rows(const T* __restrict__ grad, const uint32_t* __rest
                               typename ElementTraits<T>::Acc* __restrict__ tile_partials, int64_t tile, int lane,
                               int group, Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
-  static_assert(kTile <= 32, "a tile's run ends are the bits of one 32-bit word");
   const int64_t begin = tile * kTile;
   const int64_t tile_end = min(begin + kTile, n);
-  const uint32_t first_key = keys[begin];
   // Sentinels (padding, out-of-range) sort last: their gradient rows are never read.
-  if (first_key == sentinel) return;
+  if (keys[begin] == sentinel) return;
   const int64_t end = keys[tile_end - 1] == sentinel ? lower_bound(keys, begin, tile_end, sentinel) : tile_end;
-  uint32_t run_ends = 0;  // bit i: sorted position begin + i is the last of its run inside [begin, end)
-  {
-    uint32_t tile_keys[kTile + 1];
-#pragma unroll
-    for (int i = 0; i <= kTile; ++i) tile_keys[i] = begin + i < end ? keys[begin + i] : sentinel;
-#pragma unroll
-    for (int i = 0; i < kTile; ++i)
-      run_ends |= static_cast<uint32_t>(begin + i < end && tile_keys[i + 1] != tile_keys[i]) << i;
-  }
-  const bool first_began_earlier = key_at(keys, n, begin - 1, first_key);  // (the run that starts at begin)
-  const bool last_goes_on = key_at(keys, n, tile_end, keys[end - 1]);      // (the run that ends at end - 1)
   for (int64_t v = lane; v < dim / VEC; v += group) {
     Acc acc[VEC];
 #pragma unroll
@@ -195,25 +178,22 @@ __device__ void sum_tile_rows(const T* __restrict__ grad, const uint32_t* __rest
     int64_t run_start = begin;
     for (int64_t batch_start = begin; batch_start < end; batch_start += kBatch) {
       Pack<T, VEC> batch[kBatch];
-      uint32_t batch_keys[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b)
-        if (batch_start + b < end) {
+        if (batch_start + b < end)
           batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(positions[batch_start + b]) * dim + v * VEC);
-          batch_keys[b] = keys[batch_start + b];
-        }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int64_t j = batch_start + b;
         if (j >= end) break;
+        const uint32_t key = keys[j];
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
-        if (!((run_ends >> (j - begin)) & 1u)) continue;  // the run goes on inside this tile
-        const bool began_earlier = run_start == begin && first_began_earlier;
-        const bool goes_on = j + 1 == end && last_goes_on;
+        if (j + 1 < end && keys[j + 1] == key) continue;  // the run goes on inside this tile
+        const bool began_earlier = run_start == begin && key_at(keys, n, begin - 1, key);
+        const bool goes_on = key_at(keys, n, tile_end, key);
         if (!began_earlier && !goes_on)
-          store_row_vector<T, VEC>(out, slot(batch_keys[b], run_start), dim, v, acc, j + 1 - run_start,
-                                   scale_grad_by_freq);
+          store_row_vector<T, VEC>(out, slot(key, run_start), dim, v, acc, j + 1 - run_start, scale_grad_by_freq);
         else
           store_partial<Acc, VEC>(tile_partials, piece_slot(tile, began_earlier), dim, v, acc);
 #pragma unroll
