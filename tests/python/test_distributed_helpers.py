@@ -374,3 +374,17 @@ def test_harness_forwards_a_rank_s_exception_and_stops_the_others(tmp_path):
 def test_harness_kills_a_run_past_its_time_limit(tmp_path):
     with pytest.raises(DistributedTestFailure, match=r"timed out after 3 s[\s\S]*rank 0 did not finish"):
         run_in_processes(_on_hang, 1, workdir=tmp_path, timeout=3)
+
+
+def _on_abort(rank: int, world: int) -> None:
+    import os
+    os.abort()  # as a crash in native code ends a process (stop 29's rank died of glibc's heap check this way)
+
+
+@requires_gloo
+def test_harness_shows_the_python_stack_of_a_rank_killed_by_a_signal(tmp_path):
+    with pytest.raises(DistributedTestFailure) as failure:
+        run_in_processes(_on_abort, 1, workdir=tmp_path, timeout=60)
+    text = str(failure.value)
+    assert "rank 0 was killed by SIGABRT" in text
+    assert "Fatal Python error: Aborted" in text and "in _on_abort" in text
