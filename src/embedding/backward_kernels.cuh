@@ -156,7 +156,7 @@ __device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ p
   }
 }
 
-// Level 1 for one tile (the work of one item of reduce_tiles, and of the small path's reduce_small): runs of a row
+// Level 1 for one tile (the work of one item of reduce_tiles, and of the small path's reduce blocks): runs of a row
 // are summed in position order; a row that lies inside the tile is finished, a piece of a longer row goes to the
 // tile's partial slot (piece_slot). `lane` of `group` threads share the row's vectors.
 template <class T, int VEC, class Slot>

@@ -1,20 +1,28 @@
 // Small-problem path of the dense CUDA embedding backward: two launches where the general path (cuda.cu) needs
 // seven to ten, for problems whose fixed cost would otherwise dominate. Same sums, same order, same bits.
 //
-// 1. sort_and_zero: block 0 turns the indices (at most kSmallMaxIndices; row and position fit 32 bits) into sort
+// 1. sort_small (one block): turns the indices (at most kSmallMaxIndices; row and position fit 32 bits) into sort
 //    keys (padding and out-of-range -> the sentinel row num_weights; out-of-range ones reported in the device
 //    error record, as make_sort_keys does), sorts the (row, position) pairs in shared memory and writes them
 //    where the general path's radix sort writes its output; it also clears the per-tile arrival counters of
-//    step 2. Every other block owns a range of output rows: it scans all indices for the rows of its range that
-//    occur, then zero-fills the others.
-// 2. reduce_small: one item per tile of kEmbeddingTile sorted positions does level 1 of the order
-//    (sum_tile_rows, shared with reduce_tiles). A row spanning several tiles leaves one piece per tile; each
-//    tile then counts its pieces in at the row's first tile, and the item whose arrival completes the row adds
-//    the row's pieces in the fixed nesting of embedding.h (tiles within a group, then groups) and stores it.
-//    Which item finishes depends on scheduling; the order of the additions does not.
+//    step 2.
+// 2. zero_and_reduce_small, two kinds of blocks side by side:
+//    - reduce blocks (the first ones): one item per tile of kEmbeddingTile sorted positions does level 1 of the
+//      order (sum_tile_rows, shared with reduce_tiles). A row spanning several tiles leaves one piece per tile;
+//      each tile then counts its pieces in at the row's first tile, and the item whose arrival completes the row
+//      adds the row's pieces in the fixed nesting of embedding.h (tiles within a group, then groups) and stores
+//      it. Which item finishes depends on scheduling; the order of the additions does not.
+//    - zero blocks: each owns a range of output rows, scans all indices for the rows of its range that occur, and
+//      zero-fills the others. They write no byte a reduce block writes and read nothing step 1 writes.
+//    Zero-filling the table is most of the work (a memset's worth of stores); the sums of a few thousand rows
+//    run beside it instead of after it. Where the GPU allows it (sm_90+), step 2 is launched as a programmatic
+//    dependent launch: its zero blocks start while step 1 still sorts, and only its reduce blocks wait for step 1
+//    to finish (griddepcontrol.wait: step 1 complete and its writes visible). Elsewhere step 2 starts after step 1,
+//    as stream order says; the bits are the same either way.
 // Grids and the path itself are chosen from shapes alone; nothing is read back, so both launches can be captured.
 #include <cub/block/block_radix_sort.cuh>
 
+#include <atomic>
 #include <type_traits>
 
 #include "embedding/backward_kernels.cuh"
@@ -67,58 +75,85 @@ __device__ void zero_rows_without_bit(char* __restrict__ out, int64_t first_row,
   }
 }
 
-// Most blocks only zero-fill: keep at least kZeroBlocksPerSm resident (the sort block may spill instead).
-constexpr int kZeroBlocksPerSm = 4;
+// Programmatic dependent launch (sm_90+): the kernel after this one in the stream may start now; it still sees
+// this kernel's writes only after wait_for_preceding_kernel. No-ops where the GPU code is older than sm_90.
+__device__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+// Waits until the preceding kernel has finished and its writes are visible (griddepcontrol.wait). Without a
+// programmatic launch, stream order already guarantees that, and this returns at once.
+__device__ void wait_for_preceding_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+}
 
 template <class Index, int kItems>
-__global__ void __launch_bounds__(kSmallThreads, kZeroBlocksPerSm)
-    sort_and_zero(const Index* __restrict__ indices, int n, int64_t num_weights, int64_t padding_idx, int pos_bits,
-                  int end_bit,
-                  uint32_t* __restrict__ keys_sorted, uint32_t* __restrict__ positions_sorted,
-                  uint32_t* __restrict__ counters, int64_t tiles, char* __restrict__ out, int64_t rows_per_block,
-                  uint32_t units_per_row, int unit_bytes, DeviceErrorRecord* error) {
+__global__ void __launch_bounds__(kSmallThreads)
+    sort_small(const Index* __restrict__ indices, int n, int64_t num_weights, int64_t padding_idx, int pos_bits,
+               int end_bit, uint32_t* __restrict__ keys_sorted, uint32_t* __restrict__ positions_sorted,
+               uint32_t* __restrict__ counters, int64_t tiles, DeviceErrorRecord* error) {
   __shared__ typename SmallSort<kItems>::TempStorage sort_storage;
-  extern __shared__ uint32_t occurs[];
-  if (blockIdx.x == 0) {
-    uint32_t items[kItems];
+  let_next_kernel_start();  // its zero blocks need nothing from here; its reduce blocks wait for the whole kernel
+  uint32_t items[kItems];
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int i = threadIdx.x * kItems + k;
-      items[k] = ~uint32_t{0};
-      if (i < n) {
-        const int64_t index = static_cast<int64_t>(indices[i]);
-        if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
-        items[k] = sort_key(index, num_weights, padding_idx) << pos_bits | static_cast<uint32_t>(i);
-      }
+  for (int k = 0; k < kItems; ++k) {
+    const int i = threadIdx.x * kItems + k;
+    items[k] = ~uint32_t{0};
+    if (i < n) {
+      const int64_t index = static_cast<int64_t>(indices[i]);
+      if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
+      items[k] = sort_key(index, num_weights, padding_idx) << pos_bits | static_cast<uint32_t>(i);
     }
-    SmallSort<kItems>(sort_storage).Sort(items, 0, end_bit);
-    const uint32_t position_mask = (uint32_t{1} << pos_bits) - 1;
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {  // blocked arrangement: thread t holds sorted ranks t * kItems + k
-      const int rank = threadIdx.x * kItems + k;
-      if (rank < n) {
-        keys_sorted[rank] = items[k] >> pos_bits;
-        positions_sorted[rank] = items[k] & position_mask;
-      }
-    }
-    for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) counters[t] = 0;
-    return;
   }
-  const int64_t first_row = (blockIdx.x - 1) * rows_per_block;
-  const auto rows = static_cast<uint32_t>(min(rows_per_block, num_weights - first_row));
+  SmallSort<kItems>(sort_storage).Sort(items, 0, end_bit);
+  const uint32_t position_mask = (uint32_t{1} << pos_bits) - 1;
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {  // blocked arrangement: thread t holds sorted ranks t * kItems + k
+    const int rank = threadIdx.x * kItems + k;
+    if (rank < n) {
+      keys_sorted[rank] = items[k] >> pos_bits;
+      positions_sorted[rank] = items[k] & position_mask;
+    }
+  }
+  for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) counters[t] = 0;
+}
+
+// What a zero block needs: the raw indices (int64 or int32), its share of rows, and the store width.
+struct ZeroFill {
+  const void* indices;
+  bool indices_are_int64;
+  int n;
+  int64_t num_weights, padding_idx;
+  char* out;
+  int64_t rows_per_block;
+  uint32_t units_per_row;
+  int unit_bytes;
+};
+
+// Zero block `block`: the rows of its range that no index names are zero-filled (the others get their sums from
+// the reduce blocks). `occurs` is its bitmap in shared memory.
+__device__ void zero_fill_block(const ZeroFill& z, int64_t block, uint32_t* __restrict__ occurs) {
+  const int64_t first_row = block * z.rows_per_block;
+  const auto rows = static_cast<uint32_t>(min(z.rows_per_block, z.num_weights - first_row));
   for (uint32_t w = threadIdx.x; w < (rows + 31) / 32; w += blockDim.x) occurs[w] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const uint32_t key = sort_key(static_cast<int64_t>(indices[i]), num_weights, padding_idx);
+  for (int i = threadIdx.x; i < z.n; i += blockDim.x) {
+    const int64_t index = z.indices_are_int64 ? static_cast<const int64_t*>(z.indices)[i]
+                                              : static_cast<int64_t>(static_cast<const int32_t*>(z.indices)[i]);
+    const uint32_t key = sort_key(index, z.num_weights, z.padding_idx);
     const int64_t local = int64_t(key) - first_row;  // the sentinel num_weights is outside every range
     if (local >= 0 && local < rows) atomicOr(&occurs[local >> 5], 1u << (local & 31));
   }
   __syncthreads();
-  switch (unit_bytes) {
-    case 16: zero_rows_without_bit<uint4>(out, first_row, rows, units_per_row, occurs); break;
-    case 8: zero_rows_without_bit<uint2>(out, first_row, rows, units_per_row, occurs); break;
-    case 4: zero_rows_without_bit<uint32_t>(out, first_row, rows, units_per_row, occurs); break;
-    default: zero_rows_without_bit<uint16_t>(out, first_row, rows, units_per_row, occurs); break;
+  switch (z.unit_bytes) {
+    case 16: zero_rows_without_bit<uint4>(z.out, first_row, rows, z.units_per_row, occurs); break;
+    case 8: zero_rows_without_bit<uint2>(z.out, first_row, rows, z.units_per_row, occurs); break;
+    case 4: zero_rows_without_bit<uint32_t>(z.out, first_row, rows, z.units_per_row, occurs); break;
+    default: zero_rows_without_bit<uint16_t>(z.out, first_row, rows, z.units_per_row, occurs); break;
   }
 }
 
@@ -180,12 +215,13 @@ __device__ bool arrive(uint32_t* __restrict__ counters, int64_t start, int64_t e
   return atomicAdd(&counters[start / kTile], 1u) + 1 == pieces;
 }
 
+// Reduce block `block`: level 1 for its tiles, then the spanning rows whose last piece it counts in.
 template <class T, int VEC>
-__global__ void __launch_bounds__(kThreads)
-    reduce_small(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
-                 int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
-                 typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint32_t* __restrict__ counters,
-                 int group) {
+__device__ void reduce_small_block(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
+                                   const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
+                                   bool scale_grad_by_freq, T* __restrict__ out,
+                                   typename ElementTraits<T>::Acc* __restrict__ tile_partials,
+                                   uint32_t* __restrict__ counters, int group, int64_t block) {
   struct Finish {  // up to two spanning rows this item completes: its first row (began earlier), its last row
     uint32_t row[2];
     int64_t start[2], end[2];
@@ -193,7 +229,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   __shared__ Finish finishes[kThreads];
   const int item = threadIdx.x / group, lane = threadIdx.x % group;
-  const int64_t tile = int64_t(blockIdx.x) * (kThreads / group) + item;
+  const int64_t tile = block * (kThreads / group) + item;
   const int64_t begin = tile * kTile;
   const bool active = begin < n;
   if (active)
@@ -234,8 +270,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// reduce_small's vector width: 16-byte accesses, unless vectors half as wide still give each vector of a row its own
-// thread of a block. With few tiles the kernel is bound by each thread's chain of loads and additions (a tile's
+// Step 2: blocks [0, reduce_blocks) reduce (after sort_small has finished), the rest zero-fill.
+template <class T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    zero_and_reduce_small(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
+                          const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
+                          bool scale_grad_by_freq, T* __restrict__ out,
+                          typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint32_t* __restrict__ counters,
+                          int group, int64_t reduce_blocks, ZeroFill zero) {
+  extern __shared__ uint32_t occurs[];
+  if (blockIdx.x < reduce_blocks) {
+    wait_for_preceding_kernel();  // the sorted pairs and the cleared counters
+    reduce_small_block<T, VEC>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
+                               counters, group, blockIdx.x);
+  } else {
+    zero_fill_block(zero, blockIdx.x - reduce_blocks, occurs);
+  }
+}
+
+// The small path's vector width: 16-byte accesses, unless vectors half as wide still give each vector of a row its own
+// thread of a block. With few tiles the reduce is bound by each thread's chain of loads and additions (a tile's
 // positions one after another), and a row over twice the threads halves every chain; each element's additions stay
 // the same, so the bits do too.
 template <class T>
@@ -245,24 +299,59 @@ int small_path_vector(const EmbeddingBackwardArgs& a, const void* out) {
   return a.dim / kWide < kThreads && a.dim / (kWide / 2) <= kThreads ? kWide / 2 : kWide;
 }
 
+// Whether step 2 may be a programmatic dependent launch on the current device: only if the GPU code it runs there
+// was compiled for sm_90 or later, where wait_for_preceding_kernel really waits (code JIT-compiled from older PTX
+// would not). Asked once per device and instantiation.
+constexpr int kMaxDevices = 64;
+
+template <class Kernel>
+bool dependent_launch_allowed(Kernel kernel) {
+  static std::atomic<int8_t> known[kMaxDevices] = {};  // 0 not asked yet, 1 no, 2 yes
+  int device = 0;
+  GS_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) return false;
+  int8_t answer = known[device].load(std::memory_order_relaxed);
+  if (answer == 0) {
+    cudaFuncAttributes attributes{};
+    GS_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    answer = attributes.ptxVersion >= 90 ? 2 : 1;
+    known[device].store(answer, std::memory_order_relaxed);
+  }
+  return answer == 2;
+}
+
 template <class T, int VEC>
-void launch_reduce_small(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+void launch_zero_and_reduce(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, const ZeroFill& zero,
+                            int64_t zero_blocks, std::size_t occurs_bytes, cudaStream_t stream) {
   using Acc = typename ElementTraits<T>::Acc;
   const Geometry tiles = geometry_for(tile_count(a.num_indices), a.dim / VEC);
-  reduce_small<T, VEC><<<tiles.blocks, kThreads, 0, stream>>>(
-      static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim,
-      static_cast<uint32_t>(a.num_weights), a.scale_grad_by_freq, static_cast<T*>(out),
-      static_cast<Acc*>(w.tile_partials), reinterpret_cast<uint32_t*>(w.tile_pieces), tiles.group);
+  const auto kernel = zero_and_reduce_small<T, VEC>;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(tiles.blocks + zero_blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = occurs_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = dependent_launch_allowed(kernel) ? 1 : 0;
+  GS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(a.grad),
+                                   static_cast<const uint32_t*>(w.keys_sorted),
+                                   static_cast<const uint32_t*>(w.positions_sorted), a.num_indices, a.dim,
+                                   static_cast<uint32_t>(a.num_weights), a.scale_grad_by_freq, static_cast<T*>(out),
+                                   static_cast<Acc*>(w.tile_partials), reinterpret_cast<uint32_t*>(w.tile_pieces),
+                                   tiles.group, tiles.blocks, zero));
 }
 
 template <class T>
-void reduce_small_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+void zero_and_reduce_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, const ZeroFill& zero,
+                           int64_t zero_blocks, std::size_t occurs_bytes, cudaStream_t stream) {
   constexpr int kWide = wide_vector<T>(), kHalf = kWide / 2;
   const int vec = small_path_vector<T>(a, out);
-  if (vec == kWide) launch_reduce_small<T, kWide>(a, w, out, stream);
-  else if (vec == kHalf) launch_reduce_small<T, kHalf>(a, w, out, stream);
-  else launch_reduce_small<T, 1>(a, w, out, stream);
-  GS_CUDA_CHECK_LAUNCH();
+  if (vec == kWide) launch_zero_and_reduce<T, kWide>(a, w, out, zero, zero_blocks, occurs_bytes, stream);
+  else if (vec == kHalf) launch_zero_and_reduce<T, kHalf>(a, w, out, zero, zero_blocks, occurs_bytes, stream);
+  else launch_zero_and_reduce<T, 1>(a, w, out, zero, zero_blocks, occurs_bytes, stream);
 }
 
 // The widest store (at most 16 bytes) that divides the row and the output's alignment.
@@ -279,42 +368,45 @@ bool embedding_backward_cuda_small_path(int64_t num_indices, int64_t dim, int64_
   if (composite_key_bits(num_indices, num_weights) > 32) return false;
   const int64_t row_bytes = dim * static_cast<int64_t>(elem_bytes);
   const ZeroGrid grid = zero_grid(num_indices, num_weights, row_bytes);
-  // A zero-filling block counts its 2-byte units in 32 bits; the grid fits in one dimension.
-  return grid.rows_per_block * (row_bytes / 2) < (int64_t{1} << 31) && grid.blocks < (int64_t{1} << 31) - 1;
+  // A zero-filling block counts its 2-byte units in 32 bits; the grid (zero blocks after at most one reduce block per
+  // tile) fits in one dimension.
+  return grid.rows_per_block * (row_bytes / 2) < (int64_t{1} << 31) &&
+         grid.blocks + tile_count(num_indices) < (int64_t{1} << 31) - 1;
 }
 
 void embedding_backward_dense_cuda_small(const EmbeddingBackwardArgs& a, int64_t padding_idx, void* out,
                                          void* workspace, const embedding_detail::CudaWorkspaceLayout& layout,
                                          DeviceErrorRecord* error, cudaStream_t stream) {
   const Workspace w = carve(workspace, layout);
-  const std::size_t elem = dtype_size(a.grad_dtype);
-  const int64_t row_bytes = a.dim * static_cast<int64_t>(elem);
-  const ZeroGrid grid = zero_grid(a.num_indices, a.num_weights, row_bytes);
-  const int unit = zero_unit_bytes(out, row_bytes);
-  const auto occurs_bytes = static_cast<std::size_t>((grid.rows_per_block + 31) / 32 * 4);
+  const int64_t row_bytes = a.dim * static_cast<int64_t>(dtype_size(a.grad_dtype));
   const int n = static_cast<int>(a.num_indices);
   const int pos_bits = position_bits(a.num_indices), end_bit = composite_key_bits(a.num_indices, a.num_weights);
   auto* const counters = reinterpret_cast<uint32_t*>(w.tile_pieces);
-  const auto units_per_row = static_cast<uint32_t>(row_bytes / unit);
-  const auto launch = [&](auto kernel, const auto* indices) {
-    kernel<<<1 + grid.blocks, kSmallThreads, occurs_bytes, stream>>>(
-        indices, n, a.num_weights, padding_idx, pos_bits, end_bit, w.keys_sorted, w.positions_sorted, counters,
-        tile_count(a.num_indices), static_cast<char*>(out), grid.rows_per_block, units_per_row, unit, error);
+  const auto sort = [&](auto kernel, const auto* indices) {
+    kernel<<<1, kSmallThreads, 0, stream>>>(indices, n, a.num_weights, padding_idx, pos_bits, end_bit, w.keys_sorted,
+                                            w.positions_sorted, counters, tile_count(a.num_indices), error);
   };
-  const auto launch_for = [&](const auto* indices) {
+  const auto sort_for = [&](const auto* indices) {
     using Index = std::remove_cv_t<std::remove_pointer_t<decltype(indices)>>;
-    if (n <= kSmallThreads) launch(sort_and_zero<Index, 1>, indices);
-    else if (n <= kSmallThreads * 4) launch(sort_and_zero<Index, 4>, indices);
-    else launch(sort_and_zero<Index, kSortItemsMax>, indices);
+    if (n <= kSmallThreads) sort(sort_small<Index, 1>, indices);
+    else if (n <= kSmallThreads * 4) sort(sort_small<Index, 4>, indices);
+    else sort(sort_small<Index, kSortItemsMax>, indices);
   };
-  if (a.index_dtype == DType::Int32) launch_for(static_cast<const int32_t*>(a.indices));
-  else launch_for(static_cast<const int64_t*>(a.indices));
+  if (a.index_dtype == DType::Int32) sort_for(static_cast<const int32_t*>(a.indices));
+  else sort_for(static_cast<const int64_t*>(a.indices));
   GS_CUDA_CHECK_LAUNCH();
+
+  const ZeroGrid grid = zero_grid(a.num_indices, a.num_weights, row_bytes);
+  const int unit = zero_unit_bytes(out, row_bytes);
+  const ZeroFill zero{a.indices,          a.index_dtype == DType::Int64, n,    a.num_weights,
+                      padding_idx,        static_cast<char*>(out),       grid.rows_per_block,
+                      static_cast<uint32_t>(row_bytes / unit),           unit};
+  const auto occurs_bytes = static_cast<std::size_t>((grid.rows_per_block + 31) / 32 * 4);
   switch (a.grad_dtype) {
-    case DType::Float32: reduce_small_typed<float>(a, w, out, stream); break;
-    case DType::Float64: reduce_small_typed<double>(a, w, out, stream); break;
-    case DType::Float16: reduce_small_typed<f16_t>(a, w, out, stream); break;
-    case DType::BFloat16: reduce_small_typed<bf16_t>(a, w, out, stream); break;
+    case DType::Float32: zero_and_reduce_typed<float>(a, w, out, zero, grid.blocks, occurs_bytes, stream); break;
+    case DType::Float64: zero_and_reduce_typed<double>(a, w, out, zero, grid.blocks, occurs_bytes, stream); break;
+    case DType::Float16: zero_and_reduce_typed<f16_t>(a, w, out, zero, grid.blocks, occurs_bytes, stream); break;
+    case DType::BFloat16: zero_and_reduce_typed<bf16_t>(a, w, out, zero, grid.blocks, occurs_bytes, stream); break;
     default: throw std::invalid_argument("embedding_backward: unsupported grad dtype");
   }
 }
