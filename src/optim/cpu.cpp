@@ -11,7 +11,6 @@
 #include "optim/backend.h"
 #include "optim/blockwise.h"
 #include "optim/cpu_quantize.h"
-#include "optim/cpu_quantized_step.h"
 #include "optim/layout.h"
 #include "optim/rules.h"
 #include "optim/sparse.h"
@@ -53,19 +52,6 @@ void for_each_index(int64_t n, int64_t numel, Body body) {
     const int64_t end = std::min(n, (c + 1) * per_chunk);
     for (int64_t i = c * per_chunk; i < end; ++i) body(i);
   });
-}
-
-// Runs body(begin, end) over [0, n) (n items covering numel elements in all) in the ranges of items for_each_index
-// runs in turn: the same chunks, each one call.
-template <class Body>
-void for_each_index_range(int64_t n, int64_t numel, Body body) {
-  if (numel < kParallelMinElements || n < 2) {
-    if (n > 0) body(int64_t(0), n);
-    return;
-  }
-  const int64_t per_chunk = std::max<int64_t>(1, n * kChunkOfElements / numel);
-  parallel_chunks((n + per_chunk - 1) / per_chunk,
-                  [&](int64_t c) { body(c * per_chunk, std::min(n, (c + 1) * per_chunk)); });
 }
 
 // Runs body(begin, end) over [0, n) in contiguous ranges of kChunkOfElements: on the step's threads for
@@ -264,19 +250,7 @@ template <class T, int States, class Rule>
 void update_tensor(const OptimOptions& o, const Coefficients& k, const OptimTensor& t, const OptimStepArgs& a,
                    Rule rule) {
   if (a.state_bits == 8) {
-    const int64_t blocks = block_count(t.numel, a.block_size);
-#if GS_QUANTIZE_X86
-    if (fused_quantized_step_applies(a.block_size)) {
-      // whole blocks fused (cpu_quantized_step.h), a last partial block alone
-      const int64_t whole = t.numel / a.block_size;
-      for_each_index_range(whole, t.numel, [&](int64_t first, int64_t last) {
-        update_quantized_blocks_fused<T, States>(o, k, t, a.block_size, first, last, rule);
-      });
-      if (whole < blocks) update_quantized_block<T, States>(o, k, t, a.block_size, whole, rule);
-      return;
-    }
-#endif
-    for_each_index(blocks, t.numel,
+    for_each_index(block_count(t.numel, a.block_size), t.numel,
                    [&](int64_t b) { update_quantized_block<T, States>(o, k, t, a.block_size, b, rule); });
     return;
   }

@@ -2,13 +2,19 @@
 #include "optim/cpu_quantize.h"
 
 #include "optim/blockwise.h"
-#include "optim/cpu_quantize_x86.h"
 
-#if GS_QUANTIZE_X86 && defined(__GNUC__) && !defined(__clang__)
+// The intrinsic loops: x86-64 with GCC or Clang (target attributes, __builtin_cpu_supports).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GS_QUANTIZE_X86 1
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
 // GCC 12's AVX-512 headers start their results from self-initialised "undefined" vectors, which -Wuninitialized
 // reports at each inlined intrinsic (GCC bug 105593); nothing here reads an uninitialised value.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#else
+#define GS_QUANTIZE_X86 0
 #endif
 
 namespace graphsafe::optim_detail {
@@ -36,7 +42,8 @@ float absmax_key_portable(float key, const float* values, int64_t begin, int64_t
 // The vector loops cover whole vectors of a block; the few elements after the last whole vector (only a tensor's last
 // block can have them) take the portable loops, which give the same bits.
 
-using namespace x86;
+#define GS_AVX512 __attribute__((target("avx512f")))
+#define GS_AVX2 __attribute__((target("avx2")))
 
 GS_AVX512 void dequantize_avx512(const float* map, const uint8_t* codes, float scale, int64_t n, float* out) {
   const __m512 s = _mm512_set1_ps(scale);
@@ -49,30 +56,123 @@ GS_AVX512 void dequantize_avx512(const float* map, const uint8_t* codes, float s
   if (i < n) dequantize_portable(map, codes, scale, i, n, out);
 }
 
-// dequantize_avx512 for 64 codes at a time (dequantize64_vbmi), the rest 16 at a time and then one by one.
+// The bytes of a map's values as 16 vectors of 64: plane[k][c] is byte k (little-endian) of value[c], so that byte
+// permutes read byte k of the value of 64 codes at once.
+struct MapBytes {
+  alignas(64) uint8_t plane[4][256];
+};
+
+MapBytes map_bytes(const float* map) {
+  MapBytes b;
+  for (int c = 0; c < 256; ++c)
+    for (int k = 0; k < 4; ++k) b.plane[k][c] = static_cast<uint8_t>(float_bits(map[c]) >> (8 * k));
+  return b;
+}
+
+const MapBytes& host_map_bytes(bool is_signed) {
+  static const MapBytes signed_bytes = map_bytes(kSignedMap.value), unsigned_bytes = map_bytes(kUnsignedMap.value);
+  return is_signed ? signed_bytes : unsigned_bytes;
+}
+
+// After the unpacks below, float r of 128-bit lane L of output vector m (r, L, m in 0..3) is the code at position
+// 16 L + 4 m + r of the reordered codes; it must be code 16 m + 4 L + r, which this order puts there.
+struct UnpackOrder {
+  alignas(64) uint8_t byte[64];
+};
+
+constexpr UnpackOrder unpack_order() {
+  UnpackOrder o{};
+  for (int l = 0; l < 4; ++l)
+    for (int m = 0; m < 4; ++m)
+      for (int r = 0; r < 4; ++r) o.byte[16 * l + 4 * m + r] = static_cast<uint8_t>(16 * m + 4 * l + r);
+  return o;
+}
+
+constexpr UnpackOrder kUnpackOrder = unpack_order();
+
+#define GS_AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+
+// Byte k of the values of 64 (reordered) codes, from the 4 vectors of that byte plane: codes below 128 read the
+// first two, the others the last two (the top bit, from_high, chooses).
+GS_AVX512_VBMI inline __m512i map_byte(const uint8_t* plane, __m512i codes, __mmask64 from_high) {
+  const __m512i below = _mm512_permutex2var_epi8(_mm512_load_si512(plane), codes, _mm512_load_si512(plane + 64));
+  const __m512i above =
+      _mm512_permutex2var_epi8(_mm512_load_si512(plane + 128), codes, _mm512_load_si512(plane + 192));
+  return _mm512_mask_blend_epi8(from_high, below, above);
+}
+
+GS_AVX512_VBMI inline void store_scaled(float* out, __m512i value_bits, __m512 scale) {
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(value_bits), scale));
+}
+
+// dequantize_avx512 for 64 codes at a time: each byte of the 64 values comes from a permute over the 128 bytes of the
+// codes below 128 and one over those of the codes from 128 (a 2-register permute reads 7 index bits), the code's top
+// bit choosing; unpacking the four byte vectors gives the floats. The unpacks interleave within 128-bit lanes, so the
+// codes are first reordered (one permute) for the floats to come out in order. The same values, times the same scale.
 GS_AVX512_VBMI void dequantize_avx512_vbmi(bool is_signed, const uint8_t* codes, float scale, int64_t n, float* out) {
   const MapBytes& bytes = host_map_bytes(is_signed);
+  const __m512i order = _mm512_load_si512(kUnpackOrder.byte);
   const __m512 s = _mm512_set1_ps(scale);
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) dequantize64_vbmi(bytes, codes + i, s, out + i);
+  for (; i + 64 <= n; i += 64) {
+    const __m512i reordered = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+    const __mmask64 from_high = _mm512_movepi8_mask(reordered);
+    const __m512i byte0 = map_byte(bytes.plane[0], reordered, from_high);
+    const __m512i byte1 = map_byte(bytes.plane[1], reordered, from_high);
+    const __m512i byte2 = map_byte(bytes.plane[2], reordered, from_high);
+    const __m512i byte3 = map_byte(bytes.plane[3], reordered, from_high);
+    const __m512i bytes01_low = _mm512_unpacklo_epi8(byte0, byte1), bytes01_high = _mm512_unpackhi_epi8(byte0, byte1);
+    const __m512i bytes23_low = _mm512_unpacklo_epi8(byte2, byte3), bytes23_high = _mm512_unpackhi_epi8(byte2, byte3);
+    store_scaled(out + i, _mm512_unpacklo_epi16(bytes01_low, bytes23_low), s);
+    store_scaled(out + i + 16, _mm512_unpackhi_epi16(bytes01_low, bytes23_low), s);
+    store_scaled(out + i + 32, _mm512_unpacklo_epi16(bytes01_high, bytes23_high), s);
+    store_scaled(out + i + 48, _mm512_unpackhi_epi16(bytes01_high, bytes23_high), s);
+  }
   dequantize_avx512(host_quantization_map(is_signed).value, codes + i, scale, n - i, out + i);
 }
 
-// code_sum in 16 lanes (code_sums16): the codes of normalized_or_nan_fused(values[i]) for i in [0, n) (n a multiple
-// of 16), as bytes. Prescaled: the block's prescale is not 1 (a subnormal absmax).
+// code_sum in 16 lanes: the codes of normalized_or_nan_fused(values[i]) for i in [0, n) (n a multiple of 16), as
+// bytes. Prescaled: the block's prescale is not 1 (a subnormal absmax).
 template <bool Signed, bool Prescaled>
 GS_AVX512 void code_sums_avx512(const uint32_t* code_words, const float* values, int64_t n, const BlockScale& scale,
                                 uint8_t* codes) {
   const __m512 prescale = _mm512_set1_ps(scale.prescale), inverse = _mm512_set1_ps(scale.inverse);
-  const void* const words = gather_base(code_words);
-  for (int64_t i = 0; i < n; i += 16) code_sums16<Signed, Prescaled>(words, values + i, prescale, inverse, codes + i);
+  const __m512 low = _mm512_set1_ps(kSmallestBucketValue), high = _mm512_set1_ps(kLargestBelowOne);
+  const __m512i negative_words = _mm512_set1_epi32(kBuckets);
+  // The word of bucket b is at code_words + b, where b is the clamped bits >> kBucketShift less kFirstBucketBits >>
+  // kBucketShift: the gathers take the shifted bits as their index from an address that far before the table (an
+  // address never read).
+  const void* const words = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(code_words) -
+                                                           (kFirstBucketBits >> kBucketShift) * sizeof(uint32_t));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(values + i);
+    const __m512 x = _mm512_fmadd_ps(Prescaled ? _mm512_mul_ps(v, prescale) : v, inverse, _mm512_sub_ps(v, v));
+    // clamp_f: max(a, low) is a > low ? a : low, min(b, high) is b < high ? b : high (the operands' order matters)
+    const __m512i clamped =
+        _mm512_castps_si512(_mm512_min_ps(_mm512_max_ps(Signed ? _mm512_abs_ps(x) : x, low), high));
+    const __m512i index = _mm512_srli_epi32(clamped, kBucketShift);
+    __m512i sum;
+    if constexpr (Signed) {
+      const __m512i negative = _mm512_srai_epi32(_mm512_castps_si512(x), 31);
+      const __m512i word = _mm512_i32gather_epi32(_mm512_add_epi32(index, _mm512_and_si512(negative, negative_words)),
+                                                  words, 4);
+      sum = _mm512_add_epi32(word, _mm512_xor_si512(clamped, negative));
+    } else {
+      sum = _mm512_add_epi32(_mm512_i32gather_epi32(index, words, 4), clamped);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(sum, 16)));
+  }
 }
 
 // The largest absmax key (blockwise.h, absmax_step) of values[0, n), 16 lanes at a time.
 GS_AVX512 float absmax_key_avx512(const float* values, int64_t n) {
   const int64_t whole = n & ~int64_t(15);
   __m512i largest = _mm512_setzero_si512();
-  for (int64_t i = 0; i < whole; i += 16) largest = absmax_keys16(largest, values + i);
+  const __m512i key_offset = _mm512_set1_epi32(static_cast<int>(kFiniteKeyOffset));
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512i bits = _mm512_loadu_si512(values + i);
+    largest = _mm512_max_epu32(largest, _mm512_add_epi32(_mm512_slli_epi32(bits, 1), key_offset));
+  }
   const float key = bits_float(_mm512_reduce_max_epu32(largest));
   _mm256_zeroupper();
   return absmax_key_portable(key, values, whole, n);
