@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 
 # The raw CUDA stream torch is issuing to on a device, without the Stream object torch.cuda.current_stream builds
@@ -24,3 +27,11 @@ def current_stream(device: torch.device) -> int:
     if _raw_stream is not None:
         return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def current_stream_getter(device: torch.device) -> Callable[[], int]:
+    """current_stream(device) as a function of no arguments, with the device bound once (for a caller that issues
+    to the same device again and again: it skips current_stream's checks of the device)."""
+    if device.type == "cuda" and _raw_stream is not None and device.index is not None:
+        return functools.partial(_raw_stream, device.index)
+    return functools.partial(current_stream, device)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from . import _C
-from ._core_args import current_stream, dtype_name
+from ._core_args import current_stream, current_stream_getter, dtype_name
 from ._errors import raise_pending_device_error
 from ._tensor_checks import require_readable
 
@@ -59,69 +61,81 @@ def _check_embedding_backward_inputs(grad: Tensor, indices: Tensor, num_weights:
     _normalise_padding_idx(padding_idx, num_weights)
 
 
-# Signatures (see _signature) whose checks passed, so that a repeated call skips them. Insertion-ordered and bounded:
-# when full, the oldest half goes (a signature is cheap to check again). Only passes are remembered, so a bad call
-# is checked in full, and refused, every time.
-_PASSED_SIGNATURES: dict[tuple, None] = {}
-_MAX_SIGNATURES = 256
+# What a call of the dense or the row-sparse backward needs beyond its tensors' addresses, all of it a function of the
+# call's signature (see _backward_signature): kept per signature whose checks passed, so that a repeated call skips
+# the checks, the workspace query and the dtype names (host time that sets the pace of a small eager call).
+# Insertion-ordered and bounded: when full, the oldest half goes (a plan is cheap to make again). Only passes are
+# kept, so a bad call is checked in full, and refused, every time.
+class _BackwardPlan(NamedTuple):
+    run: object  # the _C binding
+    device_type: str
+    device_index: int
+    stream: object  # () -> the raw stream to issue to (torch's current one on the device; 0 on the CPU)
+    grad_dtype: str
+    index_dtype: str
+    num_indices: int
+    dim: int
+    workspace_bytes: int
+    workspace_like: Tensor  # an empty uint8 tensor on the device, whose new_empty allocates the workspace
 
 
-def _signature(*args) -> tuple | None:
-    """Everything the input checks read, as a hashable key, when the tensors among args are plain dense ones (the
-    class Tensor itself, strided, not nested, contiguous): then the checks' outcome is a function of the key. None
-    otherwise (a subclass, a Parameter, a sparse, nested or strided view...): such a call is checked in full."""
-    key = []
-    for a in args:
-        if isinstance(a, Tensor):
-            if type(a) is not Tensor or a.layout != torch.strided or a.is_nested or not a.is_contiguous():
-                return None
-            key += (a.dtype, a.device, a.shape)
-        else:
-            key.append(a)
-    return tuple(key)
+_PLANS: dict[tuple, _BackwardPlan] = {}
+_MAX_PLANS = 256
+_STRIDED = torch.strided
 
 
-def _checked_before(signature: tuple | None) -> bool:
-    return signature is not None and signature in _PASSED_SIGNATURES
+def _backward_signature(name: str, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int) -> tuple | None:
+    """Everything the checks and the plan read, as a hashable key, when grad and indices are plain dense tensors
+    (the class Tensor itself, strided, not nested, contiguous): then both are a function of the key. None otherwise
+    (a subclass, a Parameter, a sparse, nested or strided view...): such a call is checked in full."""
+    if (type(grad) is not Tensor or type(indices) is not Tensor or grad.layout is not _STRIDED
+            or indices.layout is not _STRIDED or grad.is_nested or indices.is_nested or not grad.is_contiguous()
+            or not indices.is_contiguous()):
+        return None
+    return (name, grad.dtype, grad.device, grad.shape, indices.dtype, indices.device, indices.shape, num_weights,
+            padding_idx)
 
 
-def _remember_passed(signature: tuple | None) -> None:
-    if signature is None:
-        return
-    if len(_PASSED_SIGNATURES) >= _MAX_SIGNATURES:
-        for old in list(_PASSED_SIGNATURES)[: _MAX_SIGNATURES // 2]:
-            del _PASSED_SIGNATURES[old]
-    _PASSED_SIGNATURES[signature] = None
+def _make_plan(name: str, grad: Tensor, indices: Tensor, num_weights: int) -> _BackwardPlan:
+    device = grad.device
+    index = device.index or 0
+    num_indices, dim, grad_dtype = indices.numel(), grad.shape[-1], dtype_name(grad.dtype)
+    workspace_bytes = getattr(_C, f"{name}_workspace_bytes")(device.type, index, grad_dtype, num_indices, dim,
+                                                             num_weights)
+    run = _C.embedding_backward_dense if name == "embedding_backward" else _C.embedding_backward_sparse
+    return _BackwardPlan(run, device.type, index, current_stream_getter(device), grad_dtype, dtype_name(indices.dtype),
+                         num_indices, dim, workspace_bytes, torch.empty(0, dtype=torch.uint8, device=device))
 
 
-def _check_embedding_backward_call(name: str, grad: Tensor, indices: Tensor, num_weights: int,
-                                   padding_idx: int) -> None:
-    """What the dense and the row-sparse backward check before they allocate anything. The checks run in full for
-    every signature not seen passing before (they do not depend on `name` when they pass); the pending device
-    error is read at every CUDA call."""
-    signature = _signature("embedding_backward", grad, indices, num_weights, padding_idx)
-    if not _checked_before(signature):
+def _embedding_backward_plan(name: str, grad: Tensor, indices: Tensor, num_weights: int,
+                             padding_idx: int) -> _BackwardPlan:
+    """The checked call's plan (name: the dense or the row-sparse binding). The checks run in full for every
+    signature not seen passing before, before anything is allocated; the pending device error is read at every
+    CUDA call."""
+    signature = _backward_signature(name, grad, indices, num_weights, padding_idx)
+    plan = _PLANS.get(signature) if signature is not None else None
+    if plan is None:
         _check_embedding_backward_inputs(grad, indices, num_weights, padding_idx)
         require_readable(name, "grad", grad)
         require_readable(name, "indices", indices)
-        _remember_passed(signature)
-    if grad.device.type == "cuda":
+        plan = _make_plan(name, grad, indices, num_weights)
+        if signature is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                for old in list(_PLANS)[: _MAX_PLANS // 2]:
+                    del _PLANS[old]
+            _PLANS[signature] = plan
+    if plan.device_type == "cuda":
         raise_pending_device_error()
+    return plan
 
 
-def _run_embedding_backward(name: str, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
+def _run_embedding_backward(plan: _BackwardPlan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                             scale_grad_by_freq: bool, outputs: tuple[int, ...]) -> None:
-    """The dense or the row-sparse backward (name: its binding, which `name`_workspace_bytes sizes) into the
-    outputs' addresses, with the workspace it asks for (the call checked by _check_embedding_backward_call)."""
-    device = grad.device
-    num_indices, dim, grad_dtype = indices.numel(), grad.shape[-1], dtype_name(grad.dtype)
-    workspace_bytes = getattr(_C, f"{name}_workspace_bytes")(device.type, device.index or 0, grad_dtype,
-                                                             num_indices, dim, num_weights)
-    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-    run = _C.embedding_backward_dense if name == "embedding_backward" else _C.embedding_backward_sparse
-    run(device.type, device.index or 0, current_stream(device), *outputs, grad.data_ptr(), grad_dtype,
-        indices.data_ptr(), dtype_name(indices.dtype), num_indices, dim, num_weights, padding_idx, scale_grad_by_freq,
-        workspace.data_ptr(), workspace_bytes)
+    """The planned backward into the outputs' addresses, with a workspace of the size the plan asked for."""
+    workspace = plan.workspace_like.new_empty(plan.workspace_bytes)
+    plan.run(plan.device_type, plan.device_index, plan.stream(), *outputs, grad.data_ptr(), plan.grad_dtype,
+             indices.data_ptr(), plan.index_dtype, plan.num_indices, plan.dim, num_weights, padding_idx,
+             scale_grad_by_freq, workspace.data_ptr(), plan.workspace_bytes)
 
 
 # ---- registration ----
@@ -136,8 +150,19 @@ _LIB = torch.library.Library("graphsafe", "FRAGMENT")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 # Keys left after the Autograd key for a plain CPU or CUDA call: the dispatcher goes straight to the kernel then,
 # so the Autograd kernel calls it directly instead of redispatching (any other key, such as Python for fake or
-# subclass tensors or Functionalize, goes through the dispatcher).
+# subclass tensors or Functionalize, goes through the dispatcher). Whether a keyset is such is kept by its raw
+# bits, as comparing keysets costs more host time than the rest of the decision.
 _KERNEL_ONLY = (torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA))
+_KERNEL_ONLY_BY_BITS: dict[int, bool] = {}
+
+
+def _kernel_only(keyset) -> bool:
+    bits = keyset.raw_repr()
+    known = _KERNEL_ONLY_BY_BITS.get(bits)
+    if known is None:
+        known = _KERNEL_ONLY_BY_BITS[bits] = (keyset & _AFTER_AUTOGRAD) in _KERNEL_ONLY
+    return known
+
 _dynamo_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _dynamo_callback = getattr(_dynamo_callback, "get_eval_frame_callback", None)
 
@@ -188,11 +213,12 @@ def _define(schema: str, kernel, fake, setup_context=None, backward=None):
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return function.apply(*args, *defaults[len(args):], keyset)
-        below = keyset & _AFTER_AUTOGRAD
+        if _kernel_only(keyset):
+            # No input requires grad (or grad mode is off), so autograd records nothing the kernel does: it runs
+            # without the below-autograd guard, whose enter and exit cost host time.
+            return run(*args)
         with torch._C._AutoDispatchBelowAutograd():
-            if below in _KERNEL_ONLY:
-                return run(*args)
-            return op.redispatch(below, *args)
+            return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
 
     _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
     return op
@@ -200,10 +226,9 @@ def _define(schema: str, kernel, fake, setup_context=None, backward=None):
 
 def _embedding_backward_kernel(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
                                scale_grad_by_freq: bool = False) -> Tensor:
-    _check_embedding_backward_call("embedding_backward", grad, indices, num_weights, padding_idx)
-    out = torch.empty((num_weights, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
-    _run_embedding_backward("embedding_backward", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
-                            (out.data_ptr(),))
+    plan = _embedding_backward_plan("embedding_backward", grad, indices, num_weights, padding_idx)
+    out = grad.new_empty((num_weights, plan.dim))
+    _run_embedding_backward(plan, grad, indices, num_weights, padding_idx, scale_grad_by_freq, (out.data_ptr(),))
     return out
 
 
@@ -232,12 +257,12 @@ embedding_backward.__doc__ = """embedding_backward(grad, indices, num_weights, p
 
 def _embedding_backward_sparse_kernel(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1,
                                       scale_grad_by_freq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    _check_embedding_backward_call("embedding_backward_sparse", grad, indices, num_weights, padding_idx)
-    capacity, device = min(indices.numel(), num_weights), grad.device
+    plan = _embedding_backward_plan("embedding_backward_sparse", grad, indices, num_weights, padding_idx)
+    capacity, device = min(plan.num_indices, num_weights), grad.device
     rows = torch.empty((capacity,), dtype=torch.int64, device=device)
-    row_grads = torch.empty((capacity, grad.shape[-1]), dtype=grad.dtype, device=device)
+    row_grads = grad.new_empty((capacity, plan.dim))
     count = torch.empty((), dtype=torch.int64, device=device)
-    _run_embedding_backward("embedding_backward_sparse", grad, indices, num_weights, padding_idx, scale_grad_by_freq,
+    _run_embedding_backward(plan, grad, indices, num_weights, padding_idx, scale_grad_by_freq,
                             (rows.data_ptr(), row_grads.data_ptr(), count.data_ptr()))
     return rows, row_grads, count
 

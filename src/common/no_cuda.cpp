@@ -21,6 +21,9 @@ DeviceErrorRecord* device_error_record() { no_cuda(); }
 std::string take_device_error(bool) { return {}; }
 std::size_t embedding_backward_cuda_sort_bytes(int64_t, int64_t) { no_cuda(); }
 std::size_t embedding_backward_cuda_scan_bytes(int64_t) { no_cuda(); }
+embedding_detail::CudaWorkspaceLayout embedding_backward_dense_cuda_layout(DType, int64_t, int64_t, int64_t) {
+  no_cuda();
+}
 void optim_step_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, StreamHandle) { no_cuda(); }
 void optim_layerwise_norms_cuda(const OptimStepArgs&, const OptimTensor*, int, void*, std::size_t, float*,
                                 StreamHandle) {

@@ -45,10 +45,7 @@ std::size_t embedding_backward_workspace_bytes(Backend backend, DType grad_dtype
   validate_embedding_backward_args(shape);
   if (backend == Backend::Cpu) return embedding_detail::cpu_workspace_layout(num_indices).total;
   if (!cuda_backend_available()) throw std::runtime_error("graphsafe was built without its CUDA backend");
-  const std::size_t acc_bytes = grad_dtype == DType::Float64 ? 8 : 4;
-  return embedding_detail::cuda_workspace_layout(num_indices, dim, num_weights, acc_bytes,
-                                                 embedding_backward_cuda_sort_bytes(num_indices, num_weights))
-      .total;
+  return embedding_backward_dense_cuda_layout(grad_dtype, num_indices, dim, num_weights).total;
 }
 
 std::size_t embedding_backward_sparse_workspace_bytes(Backend backend, DType grad_dtype, int64_t num_indices,

@@ -75,11 +75,20 @@ std::size_t embedding_backward_cuda_sort_bytes(int64_t num_indices, int64_t num_
   return bytes;
 }
 
+embedding_detail::CudaWorkspaceLayout embedding_backward_dense_cuda_layout(DType grad_dtype, int64_t num_indices,
+                                                                           int64_t dim, int64_t num_weights) {
+  const std::size_t acc_bytes = grad_dtype == DType::Float64 ? 8 : 4;
+  if (embedding_backward_cuda_small_path(num_indices, dim, num_weights, dtype_size(grad_dtype)))
+    return embedding_detail::cuda_workspace_layout(num_indices, dim, /*num_row_flags=*/0, acc_bytes, /*sort_bytes=*/0);
+  return embedding_detail::cuda_workspace_layout(num_indices, dim, num_weights, acc_bytes,
+                                                 embedding_backward_cuda_sort_bytes(num_indices, num_weights));
+}
+
 void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, void* workspace,
                                    std::size_t workspace_bytes, DeviceErrorRecord* error, StreamHandle stream_handle) {
   const int64_t padding_idx = validate_embedding_backward_args(a);
-  const std::size_t needed =
-      embedding_backward_workspace_bytes(Backend::Cuda, a.grad_dtype, a.num_indices, a.dim, a.num_weights);
+  const auto layout = embedding_backward_dense_cuda_layout(a.grad_dtype, a.num_indices, a.dim, a.num_weights);
+  const std::size_t needed = layout.total;
   if (workspace_bytes < needed || (needed > 0 && workspace == nullptr))
     throw std::invalid_argument("embedding_backward: workspace of " + std::to_string(workspace_bytes) +
                                 " bytes is smaller than the " + std::to_string(needed) + " required");
@@ -88,9 +97,6 @@ void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, vo
   if (a.num_weights * a.dim > 0 && out == nullptr) throw std::invalid_argument("embedding_backward: null output");
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
     throw std::invalid_argument("embedding_backward: the CUDA workspace must be 256-byte aligned");
-  const std::size_t acc_bytes = a.grad_dtype == DType::Float64 ? 8 : 4;
-  const auto layout = embedding_detail::cuda_workspace_layout(
-      a.num_indices, a.dim, a.num_weights, acc_bytes, embedding_backward_cuda_sort_bytes(a.num_indices, a.num_weights));
   if (embedding_backward_cuda_small_path(a.num_indices, a.dim, a.num_weights, dtype_size(a.grad_dtype))) {
     // Few indices: two launches, the same bits (cuda_small.cu).
     embedding_backward_dense_cuda_small(a, padding_idx, out, workspace, layout, error, stream);

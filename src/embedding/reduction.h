@@ -108,4 +108,8 @@ namespace graphsafe {
 // or stand-ins without CUDA).
 std::size_t embedding_backward_cuda_sort_bytes(int64_t num_indices, int64_t num_weights);
 std::size_t embedding_backward_cuda_scan_bytes(int64_t num_indices);
+// The dense result's CUDA workspace, the one layout both the size query and the run use. The small path (few
+// indices) runs neither CUB's sort nor the row flags, so it asks for neither (and for no CUB size query).
+embedding_detail::CudaWorkspaceLayout embedding_backward_dense_cuda_layout(DType grad_dtype, int64_t num_indices,
+                                                                           int64_t dim, int64_t num_weights);
 }  // namespace graphsafe

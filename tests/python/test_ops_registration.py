@@ -51,14 +51,14 @@ def test_a_remembered_check_still_refuses_other_bad_calls():
             gops.embedding_backward_sparse(G.to_sparse(), I, 5, 2)
         with pytest.raises(IndexError):
             gops.embedding_backward(G, torch.tensor([1, 3, 9, 0]), 5, 2)  # values are never part of a signature
-    assert gops._PASSED_SIGNATURES, "the good call's signature is remembered"
-    assert len(gops._PASSED_SIGNATURES) <= gops._MAX_SIGNATURES
+    assert gops._PLANS, "the good call's signature is remembered"
+    assert len(gops._PLANS) <= gops._MAX_PLANS
 
 
 def test_signature_cache_is_bounded():
-    for n in range(gops._MAX_SIGNATURES + 10):
+    for n in range(gops._MAX_PLANS + 10):
         gops.embedding_backward(G, I, 4 + n)
-    assert len(gops._PASSED_SIGNATURES) <= gops._MAX_SIGNATURES
+    assert len(gops._PLANS) <= gops._MAX_PLANS
     gops.embedding_backward(G, I, 4)  # checked again after being dropped
 
 
