@@ -1,5 +1,6 @@
-"""How torch values are handed to the core: the names it knows dtypes by, and the CUDA stream it issues to
-(the caller's, torch's current stream: nothing uses the legacy default stream)."""
+"""How torch values are handed to the core: the names it knows dtypes by, the CUDA stream it issues to (the
+caller's, torch's current stream: nothing uses the legacy default stream), and scratch memory from torch's CUDA
+caching allocator."""
 
 from __future__ import annotations
 
@@ -35,3 +36,27 @@ def current_stream_getter(device: torch.device) -> Callable[[], int]:
     if device.type == "cuda" and _raw_stream is not None and device.index is not None:
         return functools.partial(_raw_stream, device.index)
     return functools.partial(current_stream, device)
+
+
+# torch's CUDA caching allocator without a tensor around the block (what torch.cuda.caching_allocator_alloc and
+# _delete call): the block comes from the same cache in the same way as a tensor's storage (ordered on the stream
+# it is allocated on, taken from the graph's private pool while the stream captures, back to the cache when freed),
+# but skips the Python call of torch.empty, several times the cost of the allocation itself. None where missing.
+_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def cuda_scratch(device_index: int, nbytes: int, stream: int) -> int | None:
+    """The address of nbytes of scratch memory on CUDA device `device_index` for work issued to `stream` (0 for
+    none), to be handed back with free_cuda_scratch once that work is issued; None where the raw allocator is
+    missing or `device_index` is not the current device (the caller then allocates a tensor)."""
+    if _raw_alloc is None or _raw_delete is None or _current_cuda_device() != device_index:
+        return None
+    return _raw_alloc(nbytes, stream) if nbytes else 0
+
+
+def free_cuda_scratch(address: int) -> None:
+    """Hands back a cuda_scratch block (in stream order, as a freed tensor's storage)."""
+    if address:
+        _raw_delete(address)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._core_args import current_stream, current_stream_getter, dtype_name
+from ._core_args import cuda_scratch, current_stream, current_stream_getter, dtype_name, free_cuda_scratch
 from ._errors import raise_pending_device_error
 from ._tensor_checks import require_readable
 
@@ -131,11 +131,20 @@ def _embedding_backward_plan(name: str, grad: Tensor, indices: Tensor, num_weigh
 
 def _run_embedding_backward(plan: _BackwardPlan, grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int,
                             scale_grad_by_freq: bool, outputs: tuple[int, ...]) -> None:
-    """The planned backward into the outputs' addresses, with a workspace of the size the plan asked for."""
-    workspace = plan.workspace_like.new_empty(plan.workspace_bytes)
-    plan.run(plan.device_type, plan.device_index, plan.stream(), *outputs, grad.data_ptr(), plan.grad_dtype,
-             indices.data_ptr(), plan.index_dtype, plan.num_indices, plan.dim, num_weights, padding_idx,
-             scale_grad_by_freq, workspace.data_ptr(), plan.workspace_bytes)
+    """The planned backward into the outputs' addresses, with a workspace of the size the plan asked for (on CUDA
+    a block of torch's caching allocator, handed back once the kernels are issued)."""
+    stream, workspace = plan.stream(), None
+    address = cuda_scratch(plan.device_index, plan.workspace_bytes, stream) if plan.device_type == "cuda" else None
+    if address is None:
+        workspace = plan.workspace_like.new_empty(plan.workspace_bytes)
+        address = workspace.data_ptr()
+    try:
+        plan.run(plan.device_type, plan.device_index, stream, *outputs, grad.data_ptr(), plan.grad_dtype,
+                 indices.data_ptr(), plan.index_dtype, plan.num_indices, plan.dim, num_weights, padding_idx,
+                 scale_grad_by_freq, address, plan.workspace_bytes)
+    finally:
+        if workspace is None:
+            free_cuda_scratch(address)
 
 
 # ---- registration ----
