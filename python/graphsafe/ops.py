@@ -172,6 +172,7 @@ def _kernel_only(keyset) -> bool:
         known = _KERNEL_ONLY_BY_BITS[bits] = (keyset & _AFTER_AUTOGRAD) in _KERNEL_ONLY
     return known
 
+
 _dynamo_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _dynamo_callback = getattr(_dynamo_callback, "get_eval_frame_callback", None)
 
