@@ -36,20 +36,15 @@ inline int sort_end_bit(int64_t num_weights) {
   return bits;
 }
 
-// One (row, position) pair per occurrence. kFlagRows (the dense result): also flag each row that occurs, so
-// that the rows nobody touches can be zeroed.
-template <class Index, bool kFlagRows>
+// One (row, position) pair per occurrence.
+template <class Index>
 __global__ void make_sort_keys(const Index* __restrict__ indices, int64_t n, int64_t num_weights, int64_t padding_idx,
                                uint32_t* __restrict__ keys, uint32_t* __restrict__ positions,
-                               uint8_t* __restrict__ row_occurs, DeviceErrorRecord* error) {
+                               DeviceErrorRecord* error) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t index = static_cast<int64_t>(indices[i]);
     if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
-    const uint32_t key = sort_key(index, num_weights, padding_idx);
-    if constexpr (kFlagRows) {  // hot rows: read, not write
-      if (key != static_cast<uint32_t>(num_weights) && !row_occurs[key]) row_occurs[key] = 1;
-    }
-    keys[i] = key;
+    keys[i] = sort_key(index, num_weights, padding_idx);
     positions[i] = static_cast<uint32_t>(i);
   }
 }
@@ -156,25 +151,34 @@ __device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ p
   }
 }
 
-// Level 1 for one tile (the work of one item of reduce_tiles, and of the small path's reduce blocks): runs of a row
-// are summed in position order; a row that lies inside the tile is finished, a piece of a longer row goes to the
-// tile's partial slot (piece_slot). `lane` of `group` threads share the row's vectors.
+// Level 1 for one item: `tiles` consecutive tiles from first_tile (reduce_tiles; the small path's reduce blocks take
+// one tile per item). A row's run is summed tile by tile in position order, each tile's sum from +0. A row that
+// ends inside the item is finished here, its tile sums added in order on chip. What is left for level 2 is exactly
+// the partial sums the order of embedding.h adds next:
+//   - the item's first row, if it began before the item: one piece per tile it covers, slot piece_slot(t, true);
+//   - the item's last row, if it began inside the item and goes on past it: the ordered sum of its tile sums so far,
+//     in slot piece_slot(t, false) of the item's last tile t.
+// So the bits do not depend on the item size; larger items only move fewer pieces through memory. An item never
+// spans two tile groups. row_occurs (dense result; may be null): flags each row that begins inside the item.
+// `lane` of `group` threads share the row's vectors.
 template <class T, int VEC, class Slot>
-__device__ void sum_tile_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
+__device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
                               const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
                               bool scale_grad_by_freq, T* __restrict__ out,
-                              typename ElementTraits<T>::Acc* __restrict__ tile_partials, int64_t tile, int lane,
-                              int group, Slot slot) {
+                              typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint8_t* __restrict__ row_occurs,
+                              int64_t first_tile, int64_t tiles, int lane, int group, Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
-  const int64_t begin = tile * kTile;
-  const int64_t tile_end = min(begin + kTile, n);
+  const int64_t begin = first_tile * kTile;
+  const int64_t item_end = min(begin + tiles * kTile, n);
   // Sentinels (padding, out-of-range) sort last: their gradient rows are never read.
   if (keys[begin] == sentinel) return;
-  const int64_t end = keys[tile_end - 1] == sentinel ? lower_bound(keys, begin, tile_end, sentinel) : tile_end;
+  const int64_t end = keys[item_end - 1] == sentinel ? lower_bound(keys, begin, item_end, sentinel) : item_end;
+  const bool first_began_earlier = key_at(keys, n, begin - 1, keys[begin]);
   for (int64_t v = lane; v < dim / VEC; v += group) {
-    Acc acc[VEC];
+    Acc acc[VEC], earlier_tiles[VEC];  // this tile's sum of the run; the ordered sum of its earlier tiles' sums
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+    for (int k = 0; k < VEC; ++k) acc[k] = earlier_tiles[k] = Acc(0);
+    bool crossed_tile = false;  // the run (begun inside the item) has earlier tiles' sums in earlier_tiles
     int64_t run_start = begin;
     for (int64_t batch_start = begin; batch_start < end; batch_start += kBatch) {
       Pack<T, VEC> batch[kBatch];
@@ -189,49 +193,87 @@ __device__ void sum_tile_rows(const T* __restrict__ grad, const uint32_t* __rest
         const uint32_t key = keys[j];
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
-        if (j + 1 < end && keys[j + 1] == key) continue;  // the run goes on inside this tile
-        const bool began_earlier = run_start == begin && key_at(keys, n, begin - 1, key);
-        const bool goes_on = key_at(keys, n, tile_end, key);
-        if (!began_earlier && !goes_on)
-          store_row_vector<T, VEC>(out, slot(key, run_start), dim, v, acc, j + 1 - run_start, scale_grad_by_freq);
-        else
-          store_partial<Acc, VEC>(tile_partials, piece_slot(tile, began_earlier), dim, v, acc);
+        const bool began_earlier = run_start == begin && first_began_earlier;
+        if (j + 1 < end && keys[j + 1] == key) {  // the run goes on inside the item
+          if ((j + 1) % kTile != 0) continue;
+          // ... into the next tile: this tile's sum is done.
+          if (began_earlier) {
+            store_partial<Acc, VEC>(tile_partials, piece_slot(j / kTile, true), dim, v, acc);
+          } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+            for (int k = 0; k < VEC; ++k) earlier_tiles[k] += acc[k];
+            crossed_tile = true;
+          }
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[k] = Acc(0);
+          continue;
+        }
+        if (crossed_tile) {  // a row inside one tile is its tile's sum, a longer one the sum of its tiles' sums
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[k] = earlier_tiles[k] + acc[k];
+        }
+        if (row_occurs != nullptr && v == 0 && !began_earlier) row_occurs[key] = 1;
+        if (began_earlier)
+          store_partial<Acc, VEC>(tile_partials, piece_slot(j / kTile, true), dim, v, acc);
+        else if (key_at(keys, n, item_end, key))  // goes on past the item
+          store_partial<Acc, VEC>(tile_partials, piece_slot(j / kTile, false), dim, v, acc);
+        else
+          store_row_vector<T, VEC>(out, slot(key, run_start), dim, v, acc, j + 1 - run_start, scale_grad_by_freq);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = earlier_tiles[k] = Acc(0);
+        crossed_tile = false;
         run_start = j + 1;
       }
     }
   }
 }
 
-// Level 1: one item per tile of kTile sorted positions (sum_tile_rows), which also records the rows of its
-// partial slots for level 2.
+// Tiles per level-1 item: a power of two up to kMaxTilesPerItem (which divides kGroupTiles, so items never span
+// groups), as large as leaves about kLevel1Threads threads of work to fill the GPU. The bits are the same for
+// every choice (sum_item_rows).
+constexpr int64_t kMaxTilesPerItem = 8;
+constexpr int64_t kLevel1Threads = int64_t(1) << 18;
+static_assert(kGroupTiles % kMaxTilesPerItem == 0, "items must not span tile groups");
+
+inline int64_t tiles_per_item(int64_t tiles, int group) {
+  int64_t per_item = 1;
+  while (per_item < kMaxTilesPerItem && tiles / (2 * per_item) * group >= kLevel1Threads) per_item *= 2;
+  return per_item;
+}
+
+// Level 1: one item per tiles_per_item tiles (sum_item_rows). Its first thread also records, for each of its tiles,
+// the rows whose pieces it leaves in the tile's two slots (sentinel: slot unused), for reduce_tile_groups.
 template <class T, int VEC, class Slot>
 __global__ void __launch_bounds__(kThreads)
     reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
                  int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
                  typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
-                 int group, Slot slot) {
-  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
-  const int64_t begin = tile * kTile;
+                 uint8_t* __restrict__ row_occurs, int64_t tiles_in_item, int group, Slot slot) {
+  const int64_t item = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t first_tile = item * tiles_in_item;
+  const int64_t begin = first_tile * kTile;
   if (begin >= n) return;
-  const int64_t tile_end = min(begin + kTile, n);
   if (threadIdx.x % group == 0) {
-    // The rows of this tile's partial slots (sentinel: slot unused), for reduce_tile_groups.
-    const uint32_t first = keys[begin], last = keys[tile_end - 1];
+    const int64_t item_end = min(begin + tiles_in_item * kTile, n);
+    const uint32_t first = keys[begin], last = keys[item_end - 1];
     const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
-    const bool last_goes_on = last != sentinel && key_at(keys, n, tile_end, last);
-    tile_pieces[tile] = make_uint2(first_began_earlier ? first : sentinel,
-                                   last_goes_on && !(first == last && first_began_earlier) ? last : sentinel);
+    const bool last_goes_on = last != sentinel && key_at(keys, n, item_end, last);
+    const int64_t last_tile = (item_end - 1) / kTile;
+    for (int64_t t = first_tile; t <= last_tile; ++t) {
+      const bool first_row_piece = first_began_earlier && keys[t * kTile] == first;
+      const bool last_row_piece = t == last_tile && last_goes_on && !(first == last && first_began_earlier);
+      tile_pieces[t] = make_uint2(first_row_piece ? first : sentinel, last_row_piece ? last : sentinel);
+    }
   }
-  sum_tile_rows<T, VEC, Slot>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials, tile,
-                              threadIdx.x % group, group, slot);
+  sum_item_rows<T, VEC, Slot>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
+                              row_occurs, first_tile, tiles_in_item, threadIdx.x % group, group, slot);
 }
 
-// Level 2: rows longer than a tile, within each group of kGroupTiles tiles. One item per tile; a tile
-// leads the row that begins in it and goes on, and a group's first tile also leads the row that reaches
-// into the group from before. A leader adds the row's tile pieces in order up to the end of the row or of
-// the group: a row that lies inside the group is finished, a longer row leaves a piece in the group's slot.
+// Level 2: rows longer than a level-1 item, within each group of kGroupTiles tiles. One item per tile; a tile
+// leads the row whose piece is in its slot piece_slot(tile, false) (the row began in its level-1 item and goes
+// on), and a group's first tile also leads the row that reaches into the group from before. A leader adds the
+// row's pieces in order up to the end of the row or of the group: a row that lies inside the group is finished,
+// a longer row leaves a piece in the group's slot.
 template <class T, int VEC, class Slot>
 __global__ void __launch_bounds__(kThreads)
     reduce_tile_groups(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
@@ -261,8 +303,9 @@ __global__ void __launch_bounds__(kThreads)
     const bool goes_on = last + 1 == end_tile && key_at(keys, n, group_end, row);
     int64_t count = 0, row_begin = 0;
     if (!began_earlier && !goes_on) {
+      // The row began inside this tile's level-1 item, which lies inside the group.
       const int64_t row_end = upper_bound(keys, tile * kTile, group_end, row);
-      row_begin = lower_bound(keys, tile * kTile, group_end, row);
+      row_begin = lower_bound(keys, tile_group * kGroupTiles * kTile, group_end, row);
       count = row_end - row_begin;
     }
     for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
@@ -337,20 +380,19 @@ inline Workspace carve(void* base, const embedding_detail::CudaWorkspaceLayout& 
 }
 
 // Keys and positions of every occurrence (indices checked and errors recorded even where nothing is summed).
-template <bool kFlagRows>
-void launch_make_sort_keys(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Workspace& w,
+inline void launch_make_sort_keys(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Workspace& w,
                            DeviceErrorRecord* error, cudaStream_t stream) {
   const int n = static_cast<int>(a.num_indices);
   if (n == 0) return;
   const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));
   if (a.index_dtype == DType::Int32)
-    make_sort_keys<int32_t, kFlagRows><<<key_blocks, kThreads, 0, stream>>>(
-        static_cast<const int32_t*>(a.indices), n, a.num_weights, padding_idx, w.keys_in, w.positions_in,
-        w.row_occurs, error);
+    make_sort_keys<int32_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(a.indices), n,
+                                                                 a.num_weights, padding_idx, w.keys_in, w.positions_in,
+                                                                 error);
   else
-    make_sort_keys<int64_t, kFlagRows><<<key_blocks, kThreads, 0, stream>>>(
-        static_cast<const int64_t*>(a.indices), n, a.num_weights, padding_idx, w.keys_in, w.positions_in,
-        w.row_occurs, error);
+    make_sort_keys<int64_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(a.indices), n,
+                                                                 a.num_weights, padding_idx, w.keys_in, w.positions_in,
+                                                                 error);
   GS_CUDA_CHECK_LAUNCH();
 }
 
@@ -362,23 +404,28 @@ inline void sort_by_row(const EmbeddingBackwardArgs& a, const Workspace& w, cuda
                                                 0, sort_end_bit(a.num_weights), stream));
 }
 
-// The three reduce levels over the sorted pairs; `out` is the dense result or row_grads, as `slot` says.
+// The three reduce levels over the sorted pairs; `out` is the dense result or row_grads, as `slot` says. row_occurs
+// (dense result, zeroed beforehand; may be null): flags every row that receives a sum.
 template <class T, int VEC, class Slot>
-void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, Slot slot, cudaStream_t stream) {
+void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, Slot slot, uint8_t* row_occurs,
+                   cudaStream_t stream) {
   using Acc = typename ElementTraits<T>::Acc;
   const int64_t n = a.num_indices;
   const auto sentinel = static_cast<uint32_t>(a.num_weights);
   T* const result = static_cast<T*>(out);
-  const Geometry tiles = geometry_for(tile_count(n), a.dim / VEC);
-  reduce_tiles<T, VEC, Slot><<<tiles.blocks, kThreads, 0, stream>>>(
+  const int64_t vectors_per_row = a.dim / VEC;
+  const int64_t tiles_in_item = tiles_per_item(tile_count(n), geometry_for(1, vectors_per_row).group);
+  const Geometry items = geometry_for((tile_count(n) + tiles_in_item - 1) / tiles_in_item, vectors_per_row);
+  reduce_tiles<T, VEC, Slot><<<items.blocks, kThreads, 0, stream>>>(
       static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n, a.dim, sentinel, a.scale_grad_by_freq,
-      result, static_cast<Acc*>(w.tile_partials), w.tile_pieces, tiles.group, slot);
+      result, static_cast<Acc*>(w.tile_partials), w.tile_pieces, row_occurs, tiles_in_item, items.group, slot);
   GS_CUDA_CHECK_LAUNCH();
+  const Geometry tiles = geometry_for(tile_count(n), vectors_per_row);
   reduce_tile_groups<T, VEC, Slot><<<tiles.blocks, kThreads, 0, stream>>>(
       w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
       w.tile_pieces, static_cast<Acc*>(w.group_partials), tiles.group, slot);
   GS_CUDA_CHECK_LAUNCH();
-  const Geometry groups = geometry_for(tile_group_count(n), a.dim / VEC);
+  const Geometry groups = geometry_for(tile_group_count(n), vectors_per_row);
   reduce_long_rows<T, VEC, Slot><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
                                                                    a.scale_grad_by_freq, result,
                                                                    static_cast<const Acc*>(w.group_partials),

@@ -2,13 +2,13 @@
 // share are in backward_kernels.cuh).
 //
 // 1. make_sort_keys: one (row, position) pair per occurrence; padding and out-of-range occurrences get the
-//    sentinel row num_weights (out-of-range ones are also reported in the device error record). Each row
-//    that occurs is flagged.
-// 2. zero_untouched_rows: zero every row that no occurrence touches (each output byte is written once).
-// 3. A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
-// 4. reduce_tiles / reduce_tile_groups / reduce_long_rows: the three levels of the reduction order in
+//    sentinel row num_weights (out-of-range ones are also reported in the device error record).
+// 2. A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
+// 3. reduce_tiles / reduce_tile_groups / reduce_long_rows: the three levels of the reduction order in
 //    embedding.h. Each level finishes the rows that end inside its unit and leaves partial sums of longer
-//    rows for the next level, so work stays spread evenly and searches are short and rare.
+//    rows for the next level, so work stays spread evenly and searches are short and rare. Level 1 flags
+//    each row it starts (one store per row, wherever its occurrences were).
+// 4. zero_untouched_rows: zero every row that was not flagged (each output byte is written once).
 // All buffers are sized from shapes; grids cover every tile and threads exit early, so nothing is read
 // back to the host and the whole sequence can be captured in a CUDA graph.
 // Small problems (few indices; embedding_backward_cuda_small_path decides from shapes) take cuda_small.cu's two
@@ -50,18 +50,19 @@ void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* ou
   GS_CUDA_CHECK_LAUNCH();
 }
 
-// Zero-fills untouched rows, sorts, and reduces, with 16-byte accesses when rows allow it.
+// Sorts, reduces and zero-fills the untouched rows, with 16-byte accesses when rows allow it.
 template <class T>
 void run_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
   constexpr int kWide = wide_vector<T>();
   const bool wide = use_wide_vectors<T>(a, out);
+  if (a.num_indices > 0) {
+    sort_by_row(a, w, stream);
+    if (wide)
+      reduce_sorted<T, kWide>(a, w, out, DenseSlot{}, w.row_occurs, stream);
+    else
+      reduce_sorted<T, 1>(a, w, out, DenseSlot{}, w.row_occurs, stream);
+  }
   if (wide) zero_untouched<T, kWide>(a, w, out, stream); else zero_untouched<T, 1>(a, w, out, stream);
-  if (a.num_indices == 0) return;
-  sort_by_row(a, w, stream);
-  if (wide)
-    reduce_sorted<T, kWide>(a, w, out, DenseSlot{}, stream);
-  else
-    reduce_sorted<T, 1>(a, w, out, DenseSlot{}, stream);
 }
 
 }  // namespace
@@ -104,7 +105,7 @@ void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, vo
   }
   const Workspace w = carve(workspace, layout);
   if (a.num_weights > 0) GS_CUDA_CHECK(cudaMemsetAsync(w.row_occurs, 0, static_cast<std::size_t>(a.num_weights), stream));
-  launch_make_sort_keys</*kFlagRows=*/true>(a, padding_idx, w, error, stream);
+  launch_make_sort_keys(a, padding_idx, w, error, stream);
   if (a.num_weights == 0 || a.dim == 0) return;  // nothing to write (indices were still checked)
   switch (a.grad_dtype) {
     case DType::Float32: run_typed<float>(a, w, out, stream); break;

@@ -8,7 +8,7 @@
 //    step 2.
 // 2. zero_and_reduce_small, two kinds of blocks side by side:
 //    - reduce blocks (the first ones): one item per tile of kEmbeddingTile sorted positions does level 1 of the
-//      order (sum_tile_rows, shared with reduce_tiles). A row spanning several tiles leaves one piece per tile;
+//      order (sum_item_rows, shared with reduce_tiles, one tile per item). A row spanning several tiles leaves one piece per tile;
 //      each tile then counts its pieces in at the row's first tile, and the item whose arrival completes the row
 //      adds the row's pieces in the fixed nesting of embedding.h (tiles within a group, then groups) and stores
 //      it. Which item finishes depends on scheduling; the order of the additions does not.
@@ -233,15 +233,15 @@ __device__ void reduce_small_block(const T* __restrict__ grad, const uint32_t* _
   const int64_t begin = tile * kTile;
   const bool active = begin < n;
   if (active)
-    sum_tile_rows<T, VEC>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials, tile, lane,
-                          group, DenseSlot{});
+    sum_item_rows<T, VEC>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
+                          /*row_occurs=*/nullptr, /*first_tile=*/tile, /*tiles=*/1, lane, group, DenseSlot{});
   __threadfence();  // this thread's pieces are visible to every block before its tile is counted in
   __syncthreads();
   if (active && lane == 0) {
     Finish f{{sentinel, sentinel}, {0, 0}, {0, 0}, {false, false}};
     const int64_t tile_end = min(begin + kTile, n);
     const uint32_t first = keys[begin], last = keys[tile_end - 1];
-    // The same conditions under which sum_tile_rows leaves pieces in slots piece_slot(tile, true / false).
+    // The same conditions under which sum_item_rows leaves pieces in slots piece_slot(tile, true / false).
     const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
     const bool last_goes_on =
         last != sentinel && key_at(keys, n, tile_end, last) && !(first == last && first_began_earlier);

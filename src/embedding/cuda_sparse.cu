@@ -58,7 +58,7 @@ void finish_typed(const EmbeddingBackwardArgs& a, const Workspace& w, int64_t ca
   write_row_ids<T, VEC><<<blocks, kThreads, 0, stream>>>(w.keys_sorted, starts, runs_so_far, a.num_indices, capacity,
                                                          vectors_per_row, rows, static_cast<T*>(row_grads), count);
   GS_CUDA_CHECK_LAUNCH();
-  if (a.dim > 0) reduce_sorted<T, VEC>(a, w, row_grads, SparseSlot{runs_so_far}, stream);
+  if (a.dim > 0) reduce_sorted<T, VEC>(a, w, row_grads, SparseSlot{runs_so_far}, /*row_occurs=*/nullptr, stream);
 }
 
 // Row ids, count, unused slots and row sums, with 16-byte accesses when rows allow it (the choice changes no bits).
@@ -101,7 +101,7 @@ void embedding_backward_sparse_cuda(const EmbeddingBackwardArgs& a, int64_t* row
                                            a.num_indices, a.dim, /*num_row_flags=*/0, acc_bytes,
                                            embedding_backward_cuda_sort_bytes(a.num_indices, a.num_weights),
                                            embedding_backward_cuda_scan_bytes(a.num_indices)));
-  launch_make_sort_keys</*kFlagRows=*/false>(a, padding_idx, w, error, stream);
+  launch_make_sort_keys(a, padding_idx, w, error, stream);
   if (capacity == 0) {  // no slot (N or num_weights is 0; indices were still checked)
     GS_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int64_t), stream));
     return;

@@ -1,7 +1,8 @@
 """Helpers of the embedding-backward tests (test_embedding_backward_*.py, test_embedding_cuda_small_path.py): the op
 and a call of it with default options, the check against aten's float64 reference within the derived error bound,
 an independent sequential implementation of the documented reduction order, gradients whose summation order shows
-in the bits, and buffers with canaries around them (CUDA tests of what a kernel writes out of bounds).
+in the bits, buffers with canaries around them (CUDA tests of what a kernel writes out of bounds), and an index layout whose
+runs cross every kind of boundary of the order at scale.
 """
 
 from __future__ import annotations
@@ -126,3 +127,18 @@ class Canaried:
     def intact(self):
         return bool((self.buffer[:CANARY_BYTES] == CANARY).all()) and bool(
             (self.buffer[CANARY_BYTES + self.nbytes:] == CANARY).all())
+
+
+def multi_tile_item_layout(gen, rows=1800):
+    """Indices whose runs cross tile, level-1 item and group boundaries at every offset: half the rows short
+    (1-40 occurrences), most others 20-100, a few up to 5000; about 300k occurrences in all."""
+    kind = torch.rand(rows, generator=gen)
+    lengths = torch.where(
+        kind < 0.5,
+        torch.randint(1, 41, (rows,), generator=gen),
+        torch.where(kind < 0.95, torch.randint(20, 101, (rows,), generator=gen),
+                    torch.randint(100, 5001, (rows,), generator=gen)),
+    )
+    lengths[torch.rand(rows, generator=gen) < 0.05] = 0  # rows that never occur
+    flat = torch.repeat_interleave(torch.arange(rows), lengths)
+    return flat[torch.randperm(flat.numel(), generator=gen)]

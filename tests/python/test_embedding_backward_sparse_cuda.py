@@ -29,7 +29,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
-from embedding_backward_helpers import Canaried
+from embedding_backward_helpers import Canaried, multi_tile_item_layout
 
 pytestmark = requires_cuda
 
@@ -173,6 +173,15 @@ def test_cuda_matches_cpu_random_run_lengths(seed):
     grad = random_grad((flat.numel(), dim), dtype, gen)
     padding = int(flat[0]) if seed % 3 == 0 else -1
     assert_cuda_matches_cpu(grad, flat, rows + 1, padding, seed % 2 == 0)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 1024), (torch.bfloat16, 512)], ids=["fp32-D1024", "bf16-D512"])
+def test_cuda_matches_cpu_multi_tile_items(dtype, dim):
+    """Level 1 with several tiles per item (test_embedding_cuda.multi_tile_item_layout)."""
+    gen = make_generator(stable_seed("sparse-multi-tile-items", dtype, dim))
+    flat = multi_tile_item_layout(gen)
+    grad = random_grad((flat.numel(), dim), dtype, gen)
+    assert_cuda_matches_cpu(grad, flat, 1802, int(torch.mode(flat).values), True)
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)

@@ -33,6 +33,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
+from embedding_backward_helpers import multi_tile_item_layout
 
 pytestmark = requires_cuda
 
@@ -180,6 +181,19 @@ def test_cuda_matches_cpu_random_run_lengths(seed):
     grad = random_grad((flat.numel(), dim), dtype, gen)
     padding = int(flat[0]) if seed % 3 == 0 else -1
     assert_cuda_matches_cpu(grad, flat, rows + 1, padding, seed % 2 == 0)
+
+
+# Wide rows and ~9000 tiles: level 1 takes several tiles per item (backward_kernels.cuh's tiles_per_item: 8 tiles
+# for fp32 D=1024, 4 for fp32 D=512, 2 for bf16 D=512), which must not change a bit.
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 1024), (torch.float32, 512), (torch.bfloat16, 512)],
+                         ids=["fp32-D1024", "fp32-D512", "bf16-D512"])
+def test_cuda_matches_cpu_multi_tile_items(dtype, dim):
+    gen = make_generator(stable_seed("multi-tile-items", dtype, dim))
+    flat = multi_tile_item_layout(gen)
+    rows = 1800
+    grad = random_grad((flat.numel(), dim), dtype, gen)
+    for padding, scale in [(-1, False), (int(torch.mode(flat).values), True)]:
+        assert_cuda_matches_cpu(grad, flat, rows + 2, padding, scale, f"D={dim} pad={padding} scale={scale}")
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
