@@ -27,7 +27,13 @@ using embedding_detail::sort_key;
 constexpr int kThreads = 256;
 constexpr int64_t kTile = kEmbeddingTile;
 constexpr int64_t kGroupTiles = kEmbeddingTileGroup;
-constexpr int kBatch = 8;  // loads issued ahead of the additions that consume them, in order
+// Gradient loads issued ahead of the additions that consume them (in order), per thread: the small path's few
+// blocks take kBatch; reduce_tiles runs kLevel1MinBlocks blocks per SM, whose register budget (64 per thread)
+// holds kLevel1Batch loads without spilling, and more resident threads with fewer loads each keep more bytes in
+// flight there than fewer threads with more loads (docs/embedding.md).
+constexpr int kBatch = 8;
+constexpr int kLevel1Batch = 4;
+constexpr int kLevel1MinBlocks = 4;
 
 inline int sort_end_bit(int64_t num_weights) {
   // Keys go up to num_weights (the sentinel) and no further.
@@ -161,7 +167,7 @@ __device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ p
 // So the bits do not depend on the item size; larger items only move fewer pieces through memory. An item never
 // spans two tile groups. row_occurs (dense result; may be null): flags each row that begins inside the item.
 // `lane` of `group` threads share the row's vectors.
-template <class T, int VEC, class Slot>
+template <class T, int VEC, class Slot, int kLoadsAhead>
 __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
                               const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
                               bool scale_grad_by_freq, T* __restrict__ out,
@@ -180,14 +186,14 @@ __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __rest
     for (int k = 0; k < VEC; ++k) acc[k] = earlier_tiles[k] = Acc(0);
     bool crossed_tile = false;  // the run (begun inside the item) has earlier tiles' sums in earlier_tiles
     int64_t run_start = begin;
-    for (int64_t batch_start = begin; batch_start < end; batch_start += kBatch) {
-      Pack<T, VEC> batch[kBatch];
+    for (int64_t batch_start = begin; batch_start < end; batch_start += kLoadsAhead) {
+      Pack<T, VEC> batch[kLoadsAhead];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b)
+      for (int b = 0; b < kLoadsAhead; ++b)
         if (batch_start + b < end)
           batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(positions[batch_start + b]) * dim + v * VEC);
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
+      for (int b = 0; b < kLoadsAhead; ++b) {
         const int64_t j = batch_start + b;
         if (j >= end) break;
         const uint32_t key = keys[j];
@@ -231,8 +237,8 @@ __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __rest
 // Tiles per level-1 item: a power of two up to kMaxTilesPerItem (which divides kGroupTiles, so items never span
 // groups), as large as leaves about kLevel1Threads threads of work to fill the GPU. The bits are the same for
 // every choice (sum_item_rows).
-constexpr int64_t kMaxTilesPerItem = 8;
-constexpr int64_t kLevel1Threads = int64_t(1) << 18;
+constexpr int64_t kMaxTilesPerItem = 16;
+constexpr int64_t kLevel1Threads = int64_t(1) << 19;
 static_assert(kGroupTiles % kMaxTilesPerItem == 0, "items must not span tile groups");
 
 inline int64_t tiles_per_item(int64_t tiles, int group) {
@@ -244,7 +250,7 @@ inline int64_t tiles_per_item(int64_t tiles, int group) {
 // Level 1: one item per tiles_per_item tiles (sum_item_rows). Its first thread also records, for each of its tiles,
 // the rows whose pieces it leaves in the tile's two slots (sentinel: slot unused), for reduce_tile_groups.
 template <class T, int VEC, class Slot>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kLevel1MinBlocks)
     reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
                  int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
                  typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
@@ -265,7 +271,7 @@ __global__ void __launch_bounds__(kThreads)
       tile_pieces[t] = make_uint2(first_row_piece ? first : sentinel, last_row_piece ? last : sentinel);
     }
   }
-  sum_item_rows<T, VEC, Slot>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
+  sum_item_rows<T, VEC, Slot, kLevel1Batch>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
                               row_occurs, first_tile, tiles_in_item, threadIdx.x % group, group, slot);
 }
 

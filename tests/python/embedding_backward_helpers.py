@@ -129,9 +129,11 @@ class Canaried:
             (self.buffer[CANARY_BYTES + self.nbytes:] == CANARY).all())
 
 
-def multi_tile_item_layout(gen, rows=1800):
-    """Indices whose runs cross tile, level-1 item and group boundaries at every offset: half the rows short
-    (1-40 occurrences), most others 20-100, a few up to 5000; about 300k occurrences in all."""
+def multi_tile_item_case(rows: int, dim: int, dtype: torch.dtype, seed: int):
+    """Indices whose runs cross tile, level-1 item and group boundaries at every offset (half the rows short, 1-40
+    occurrences; most others 20-100; a few up to 5000; 5% never occur; about 150 occurrences per row), and a
+    standard-normal gradient for them, made on the GPU (hundreds of millions of elements), returned on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
     kind = torch.rand(rows, generator=gen)
     lengths = torch.where(
         kind < 0.5,
@@ -139,6 +141,9 @@ def multi_tile_item_layout(gen, rows=1800):
         torch.where(kind < 0.95, torch.randint(20, 101, (rows,), generator=gen),
                     torch.randint(100, 5001, (rows,), generator=gen)),
     )
-    lengths[torch.rand(rows, generator=gen) < 0.05] = 0  # rows that never occur
+    lengths[torch.rand(rows, generator=gen) < 0.05] = 0
     flat = torch.repeat_interleave(torch.arange(rows), lengths)
-    return flat[torch.randperm(flat.numel(), generator=gen)]
+    flat = flat[torch.randperm(flat.numel(), generator=gen)]
+    cuda_gen = torch.Generator(device="cuda").manual_seed(seed)
+    grad = torch.randn((flat.numel(), dim), generator=cuda_gen, device="cuda", dtype=torch.float32).to(dtype)
+    return flat, grad.cpu()

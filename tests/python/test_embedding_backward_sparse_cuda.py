@@ -29,7 +29,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
-from embedding_backward_helpers import Canaried, multi_tile_item_layout
+from embedding_backward_helpers import Canaried, multi_tile_item_case
 
 pytestmark = requires_cuda
 
@@ -175,13 +175,12 @@ def test_cuda_matches_cpu_random_run_lengths(seed):
     assert_cuda_matches_cpu(grad, flat, rows + 1, padding, seed % 2 == 0)
 
 
-@pytest.mark.parametrize("dtype,dim", [(torch.float32, 1024), (torch.bfloat16, 512)], ids=["fp32-D1024", "bf16-D512"])
-def test_cuda_matches_cpu_multi_tile_items(dtype, dim):
-    """Level 1 with several tiles per item (test_embedding_cuda.multi_tile_item_layout)."""
-    gen = make_generator(stable_seed("sparse-multi-tile-items", dtype, dim))
-    flat = multi_tile_item_layout(gen)
-    grad = random_grad((flat.numel(), dim), dtype, gen)
-    assert_cuda_matches_cpu(grad, flat, 1802, int(torch.mode(flat).values), True)
+@pytest.mark.parametrize("dtype,dim,rows", [(torch.float32, 1024, 2200), (torch.bfloat16, 2048, 4400)],
+                         ids=["4-tile-items", "8-tile-items"])
+def test_cuda_matches_cpu_multi_tile_items(dtype, dim, rows):
+    """Level 1 with several tiles per item (as test_embedding_cuda.test_cuda_matches_cpu_multi_tile_items)."""
+    flat, grad = multi_tile_item_case(rows, dim, dtype, seed=rows + dim + 1)
+    assert_cuda_matches_cpu(grad, flat, rows + 2, int(torch.mode(flat).values), True)
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)

@@ -33,7 +33,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
-from embedding_backward_helpers import multi_tile_item_layout
+from embedding_backward_helpers import multi_tile_item_case
 
 pytestmark = requires_cuda
 
@@ -183,15 +183,15 @@ def test_cuda_matches_cpu_random_run_lengths(seed):
     assert_cuda_matches_cpu(grad, flat, rows + 1, padding, seed % 2 == 0)
 
 
-# Wide rows and ~9000 tiles: level 1 takes several tiles per item (backward_kernels.cuh's tiles_per_item: 8 tiles
-# for fp32 D=1024, 4 for fp32 D=512, 2 for bf16 D=512), which must not change a bit.
-@pytest.mark.parametrize("dtype,dim", [(torch.float32, 1024), (torch.float32, 512), (torch.bfloat16, 512)],
-                         ids=["fp32-D1024", "fp32-D512", "bf16-D512"])
-def test_cuda_matches_cpu_multi_tile_items(dtype, dim):
-    gen = make_generator(stable_seed("multi-tile-items", dtype, dim))
-    flat = multi_tile_item_layout(gen)
-    rows = 1800
-    grad = random_grad((flat.numel(), dim), dtype, gen)
+# Wide rows and many tiles: level 1 takes several tiles per item (backward_kernels.cuh's tiles_per_item gives
+# these 2, 4, 8 and 16 tiles), which must not change a bit.
+@pytest.mark.parametrize(
+    "dtype,dim,rows",
+    [(torch.float32, 512, 2200), (torch.float32, 1024, 2200), (torch.bfloat16, 2048, 4400), (torch.float32, 1024, 8800)],
+    ids=["2-tile-items", "4-tile-items", "8-tile-items", "16-tile-items"],
+)
+def test_cuda_matches_cpu_multi_tile_items(dtype, dim, rows):
+    flat, grad = multi_tile_item_case(rows, dim, dtype, seed=rows + dim)
     for padding, scale in [(-1, False), (int(torch.mode(flat).values), True)]:
         assert_cuda_matches_cpu(grad, flat, rows + 2, padding, scale, f"D={dim} pad={padding} scale={scale}")
 
