@@ -27,13 +27,13 @@ using embedding_detail::sort_key;
 constexpr int kThreads = 256;
 constexpr int64_t kTile = kEmbeddingTile;
 constexpr int64_t kGroupTiles = kEmbeddingTileGroup;
-// Gradient loads issued ahead of the additions that consume them (in order), per thread: the small path's few
-// blocks take kBatch; reduce_tiles runs kLevel1MinBlocks blocks per SM, whose register budget (64 per thread)
-// holds kLevel1Batch loads without spilling, and more resident threads with fewer loads each keep more bytes in
-// flight there than fewer threads with more loads (docs/embedding.md).
+// Gradient loads issued ahead of the additions that consume them (in order), per thread. Level 1 with one-tile
+// items (few tiles: a wave or two of blocks, bound by latency) takes kBatch. With multi-tile items (many waves) it
+// runs kMultiTileMinBlocks blocks per SM, whose register budget (64 per thread) holds kMultiTileBatch loads
+// without spilling; there, more resident threads with fewer loads each keep more bytes in flight (docs/embedding.md).
 constexpr int kBatch = 8;
-constexpr int kLevel1Batch = 4;
-constexpr int kLevel1MinBlocks = 4;
+constexpr int kMultiTileBatch = 4;
+constexpr int kMultiTileMinBlocks = 4;
 
 inline int sort_end_bit(int64_t num_weights) {
   // Keys go up to num_weights (the sentinel) and no further.
@@ -166,14 +166,15 @@ __device__ void add_partials_in_order(Acc (&acc)[VEC], const Acc* __restrict__ p
 //     in slot piece_slot(t, false) of the item's last tile t.
 // So the bits do not depend on the item size; larger items only move fewer pieces through memory. An item never
 // spans two tile groups. row_occurs (dense result; may be null): flags each row that begins inside the item.
-// `lane` of `group` threads share the row's vectors.
-template <class T, int VEC, class Slot, int kLoadsAhead>
+// `lane` of `group` threads share the row's vectors. kMultiTile false: items of one tile (`tiles` is 1).
+template <class T, int VEC, class Slot, bool kMultiTile>
 __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
                               const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
                               bool scale_grad_by_freq, T* __restrict__ out,
                               typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint8_t* __restrict__ row_occurs,
                               int64_t first_tile, int64_t tiles, int lane, int group, Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
+  constexpr int kLoadsAhead = kMultiTile ? kMultiTileBatch : kBatch;
   const int64_t begin = first_tile * kTile;
   const int64_t item_end = min(begin + tiles * kTile, n);
   // Sentinels (padding, out-of-range) sort last: their gradient rows are never read.
@@ -201,7 +202,7 @@ __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __rest
         for (int k = 0; k < VEC; ++k) acc[k] += ElementTraits<T>::load(batch[b].v[k]);
         const bool began_earlier = run_start == begin && first_began_earlier;
         if (j + 1 < end && keys[j + 1] == key) {  // the run goes on inside the item
-          if ((j + 1) % kTile != 0) continue;
+          if (!kMultiTile || (j + 1) % kTile != 0) continue;
           // ... into the next tile: this tile's sum is done.
           if (began_earlier) {
             store_partial<Acc, VEC>(tile_partials, piece_slot(j / kTile, true), dim, v, acc);
@@ -249,8 +250,8 @@ inline int64_t tiles_per_item(int64_t tiles, int group) {
 
 // Level 1: one item per tiles_per_item tiles (sum_item_rows). Its first thread also records, for each of its tiles,
 // the rows whose pieces it leaves in the tile's two slots (sentinel: slot unused), for reduce_tile_groups.
-template <class T, int VEC, class Slot>
-__global__ void __launch_bounds__(kThreads, kLevel1MinBlocks)
+template <class T, int VEC, class Slot, bool kMultiTile>
+__global__ void __launch_bounds__(kThreads, kMultiTile ? kMultiTileMinBlocks : 1)
     reduce_tiles(const T* __restrict__ grad, const uint32_t* __restrict__ keys, const uint32_t* __restrict__ positions,
                  int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
                  typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, kLevel1MinBlocks)
       tile_pieces[t] = make_uint2(first_row_piece ? first : sentinel, last_row_piece ? last : sentinel);
     }
   }
-  sum_item_rows<T, VEC, Slot, kLevel1Batch>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
+  sum_item_rows<T, VEC, Slot, kMultiTile>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
                               row_occurs, first_tile, tiles_in_item, threadIdx.x % group, group, slot);
 }
 
@@ -422,9 +423,11 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
   const int64_t vectors_per_row = a.dim / VEC;
   const int64_t tiles_in_item = tiles_per_item(tile_count(n), geometry_for(1, vectors_per_row).group);
   const Geometry items = geometry_for((tile_count(n) + tiles_in_item - 1) / tiles_in_item, vectors_per_row);
-  reduce_tiles<T, VEC, Slot><<<items.blocks, kThreads, 0, stream>>>(
-      static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n, a.dim, sentinel, a.scale_grad_by_freq,
-      result, static_cast<Acc*>(w.tile_partials), w.tile_pieces, row_occurs, tiles_in_item, items.group, slot);
+  const auto level1 = tiles_in_item > 1 ? reduce_tiles<T, VEC, Slot, true> : reduce_tiles<T, VEC, Slot, false>;
+  level1<<<items.blocks, kThreads, 0, stream>>>(static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n,
+                                                a.dim, sentinel, a.scale_grad_by_freq, result,
+                                                static_cast<Acc*>(w.tile_partials), w.tile_pieces, row_occurs,
+                                                tiles_in_item, items.group, slot);
   GS_CUDA_CHECK_LAUNCH();
   const Geometry tiles = geometry_for(tile_count(n), vectors_per_row);
   reduce_tile_groups<T, VEC, Slot><<<tiles.blocks, kThreads, 0, stream>>>(

@@ -233,7 +233,7 @@ __device__ void reduce_small_block(const T* __restrict__ grad, const uint32_t* _
   const int64_t begin = tile * kTile;
   const bool active = begin < n;
   if (active)
-    sum_item_rows<T, VEC, DenseSlot, kBatch>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
+    sum_item_rows<T, VEC, DenseSlot, /*kMultiTile=*/false>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
                           /*row_occurs=*/nullptr, /*first_tile=*/tile, /*tiles=*/1, lane, group, DenseSlot{});
   __threadfence();  // this thread's pieces are visible to every block before its tile is counted in
   __syncthreads();
