@@ -171,8 +171,9 @@ template <class T, int VEC, class Slot, bool kMultiTile>
 __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __restrict__ keys,
                               const uint32_t* __restrict__ positions, int64_t n, int64_t dim, uint32_t sentinel,
                               bool scale_grad_by_freq, T* __restrict__ out,
-                              typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint8_t* __restrict__ row_occurs,
-                              int64_t first_tile, int64_t tiles, int lane, int group, Slot slot) {
+                              typename ElementTraits<T>::Acc* __restrict__ tile_partials,
+                              uint8_t* __restrict__ row_occurs, int64_t first_tile, int64_t tiles, int lane, int group,
+                              Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
   constexpr int kLoadsAhead = kMultiTile ? kMultiTileBatch : kBatch;
   const int64_t begin = first_tile * kTile;
@@ -272,8 +273,9 @@ __global__ void __launch_bounds__(kThreads, kMultiTile ? kMultiTileMinBlocks : 1
       tile_pieces[t] = make_uint2(first_row_piece ? first : sentinel, last_row_piece ? last : sentinel);
     }
   }
-  sum_item_rows<T, VEC, Slot, kMultiTile>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
-                              row_occurs, first_tile, tiles_in_item, threadIdx.x % group, group, slot);
+  sum_item_rows<T, VEC, Slot, kMultiTile>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out,
+                                          tile_partials, row_occurs, first_tile, tiles_in_item, threadIdx.x % group,
+                                          group, slot);
 }
 
 // Level 2: rows longer than a level-1 item, within each group of kGroupTiles tiles. One item per tile; a tile
@@ -388,7 +390,7 @@ inline Workspace carve(void* base, const embedding_detail::CudaWorkspaceLayout& 
 
 // Keys and positions of every occurrence (indices checked and errors recorded even where nothing is summed).
 inline void launch_make_sort_keys(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Workspace& w,
-                           DeviceErrorRecord* error, cudaStream_t stream) {
+                                  DeviceErrorRecord* error, cudaStream_t stream) {
   const int n = static_cast<int>(a.num_indices);
   if (n == 0) return;
   const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));

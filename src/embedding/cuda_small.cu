@@ -8,10 +8,10 @@
 //    step 2.
 // 2. zero_and_reduce_small, two kinds of blocks side by side:
 //    - reduce blocks (the first ones): one item per tile of kEmbeddingTile sorted positions does level 1 of the
-//      order (sum_item_rows, shared with reduce_tiles, one tile per item). A row spanning several tiles leaves one piece per tile;
-//      each tile then counts its pieces in at the row's first tile, and the item whose arrival completes the row
-//      adds the row's pieces in the fixed nesting of embedding.h (tiles within a group, then groups) and stores
-//      it. Which item finishes depends on scheduling; the order of the additions does not.
+//      order (sum_item_rows, shared with reduce_tiles, one tile per item). A row spanning several tiles leaves one
+//      piece per tile; each tile then counts its pieces in at the row's first tile, and the item whose arrival
+//      completes the row adds the row's pieces in the fixed nesting of embedding.h (tiles within a group, then
+//      groups) and stores it. Which item finishes depends on scheduling; the order of the additions does not.
 //    - zero blocks: each owns a range of output rows, scans all indices for the rows of its range that occur, and
 //      zero-fills the others. They write no byte a reduce block writes and read nothing step 1 writes.
 //    Zero-filling the table is most of the work (a memset's worth of stores); the sums of a few thousand rows
@@ -233,8 +233,9 @@ __device__ void reduce_small_block(const T* __restrict__ grad, const uint32_t* _
   const int64_t begin = tile * kTile;
   const bool active = begin < n;
   if (active)
-    sum_item_rows<T, VEC, DenseSlot, /*kMultiTile=*/false>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq, out, tile_partials,
-                          /*row_occurs=*/nullptr, /*first_tile=*/tile, /*tiles=*/1, lane, group, DenseSlot{});
+    sum_item_rows<T, VEC, DenseSlot, /*kMultiTile=*/false>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq,
+                                                           out, tile_partials, /*row_occurs=*/nullptr,
+                                                           /*first_tile=*/tile, /*tiles=*/1, lane, group, DenseSlot{});
   __threadfence();  // this thread's pieces are visible to every block before its tile is counted in
   __syncthreads();
   if (active && lane == 0) {
