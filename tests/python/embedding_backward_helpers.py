@@ -1,8 +1,8 @@
 """Helpers of the embedding-backward tests (test_embedding_backward_*.py, test_embedding_cuda_small_path.py): the op
 and a call of it with default options, the check against aten's float64 reference within the derived error bound,
 an independent sequential implementation of the documented reduction order, gradients whose summation order shows
-in the bits, buffers with canaries around them (CUDA tests of what a kernel writes out of bounds), and an index layout whose
-runs cross every kind of boundary of the order at scale.
+in the bits, buffers with canaries around them (CUDA tests of what a kernel writes out of bounds), and large cases
+whose runs cross every kind of boundary of the order.
 """
 
 from __future__ import annotations
