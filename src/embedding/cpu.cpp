@@ -9,6 +9,10 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #include "embedding/reduction.h"
@@ -138,6 +142,98 @@ void advise_huge_pages(void* p, int64_t bytes) {
 #endif
 }
 
+// Large dense outputs are written once: each row either its sum or zeros. Where the output's memory has been used
+// before, with streaming stores, which write whole lines to memory without reading them into the cache first (a
+// plain store's read for ownership doubles a fill's traffic). Fresh memory (a large allocation is usually a new
+// mapping) is different: the kernel zeroes each page when it is first touched, which leaves the page in the
+// cache, where plain stores then land; streaming stores would write it to memory a second time. Whether the
+// memory is fresh is judged by whether its last page is resident (the first holds the allocator's header); only
+// the kind of store depends on it. Each thread fences its streaming stores (finish_streaming) before the region's
+// closing barrier, so they are ordered before anything after the region.
+constexpr int64_t kWriteOnceFrom = int64_t(1) << 22;
+
+bool resident(const void* p) {
+#if defined(__linux__)
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  unsigned char state = 0;
+  return mincore(reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1)), 1, &state) == 0 &&
+         (state & 1) != 0;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// Zeroes [p, p + bytes): the 16-byte aligned middle with streaming stores where the platform has them (x86-64's
+// SSE2; elsewhere memset), the ends with memset.
+void stream_zero(unsigned char* p, int64_t bytes) {
+#if defined(__SSE2__)
+  const int64_t head = std::min(bytes, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15));
+  const int64_t body = (bytes - head) & ~int64_t(15);
+  std::memset(p, 0, static_cast<std::size_t>(head));
+  const __m128i zero = _mm_setzero_si128();
+  for (int64_t i = head; i < head + body; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(p + i), zero);
+  std::memset(p + head + body, 0, static_cast<std::size_t>(bytes - head - body));
+#else
+  std::memset(p, 0, static_cast<std::size_t>(bytes));
+#endif
+}
+
+// Copies bytes from `from` to `to` as stream_zero writes.
+void stream_copy(unsigned char* to, const unsigned char* from, int64_t bytes) {
+#if defined(__SSE2__)
+  const int64_t head = std::min(bytes, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15));
+  const int64_t body = (bytes - head) & ~int64_t(15);
+  std::memcpy(to, from, static_cast<std::size_t>(head));
+  for (int64_t i = head; i < head + body; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i)));
+  std::memcpy(to + head + body, from + head + body, static_cast<std::size_t>(bytes - head - body));
+#else
+  std::memcpy(to, from, static_cast<std::size_t>(bytes));
+#endif
+}
+
+void finish_streaming() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Zeroes the rows of a large dense output [num_weights, dim] that no kept index touches, each byte once, in
+// parallel over parts of about kPart bytes, with streaming or plain stores. touched_row(r) is the r-th touched row
+// (increasing, r < rows).
+template <class T, class TouchedRow>
+void zero_untouched_rows(T* out, int64_t num_weights, int64_t dim, int64_t rows, TouchedRow touched_row,
+                         bool streaming) {
+  constexpr int64_t kPart = int64_t(1) << 22;
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+  const int64_t rows_per_part = std::max<int64_t>(1, kPart / row_bytes);
+  const int64_t parts = (num_weights + rows_per_part - 1) / rows_per_part;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t first = part * rows_per_part, last = std::min(num_weights, first + rows_per_part);
+      // The first touched row at or after `first`, by bisection over the increasing touched rows.
+      int64_t lo = 0, hi = rows;
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (touched_row(mid) < first) lo = mid + 1;
+        else hi = mid;
+      }
+      int64_t from = first;
+      for (int64_t r = lo; from < last; ++r) {
+        const int64_t to = r < rows ? std::min(last, touched_row(r)) : last;
+        auto* const span = reinterpret_cast<unsigned char*>(out + from * dim);
+        if (to > from && streaming) stream_zero(span, (to - from) * row_bytes);
+        if (to > from && !streaming) std::memset(span, 0, static_cast<std::size_t>((to - from) * row_bytes));
+        from = to + 1;
+      }
+    }
+    if (streaming) finish_streaming();
+  }
+}
+
 template <class T, class Index>
 void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Destination<T>& to, uint64_t* sorted,
          int64_t* row_starts) {
@@ -146,18 +242,15 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Destination<
   const int64_t n = a.num_indices, dim = a.dim;
   check_indices_in_range(indices, n, a.num_weights);
   const bool dense = !to.sparse;
-  if (dense) {
-    // All-zero bits are +0. An empty result may come with a null `out`, which memset must not get even for 0 bytes.
-    // Zeroed by the threads in parts when large (one core's memset was much of a large backward's time).
-    const int64_t out_bytes = a.num_weights * dim * static_cast<int64_t>(sizeof(T));
-    constexpr int64_t kPart = int64_t(1) << 22;
-    auto* const bytes = reinterpret_cast<unsigned char*>(to.dense);
-    if (out_bytes >= 2 * kPart) advise_huge_pages(bytes, out_bytes);
-#pragma omp parallel for schedule(static) if (out_bytes >= 2 * kPart)
-    for (int64_t part = 0; part < (out_bytes + kPart - 1) / kPart; ++part)
-      std::memset(bytes + part * kPart, 0, static_cast<std::size_t>(std::min(kPart, out_bytes - part * kPart)));
-    if (n == 0 || dim == 0) return;
-  }
+  const int64_t out_bytes = dense ? a.num_weights * dim * static_cast<int64_t>(sizeof(T)) : 0;
+  // A large dense output is written once (kWriteOnceFrom); a small one is zeroed first (all-zero bits are +0) and
+  // its touched rows written over. An empty result may come with a null `out`, which memset must not get even for 0
+  // bytes.
+  const bool write_once = out_bytes >= kWriteOnceFrom;
+  const bool streaming = write_once && resident(reinterpret_cast<const unsigned char*>(to.dense) + out_bytes - 1);
+  if (write_once) advise_huge_pages(to.dense, out_bytes);
+  if (dense && !write_once && out_bytes > 0) std::memset(to.dense, 0, static_cast<std::size_t>(out_bytes));
+  if (dense && !write_once && (n == 0 || dim == 0)) return;
 
   // Sorting (row, position) pairs orders each row's occurrences by position: the documented order.
   int64_t kept = 0;
@@ -171,10 +264,12 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Destination<
   for (int64_t i = 0; i < kept; ++i)
     if (i == 0 || (sorted[i] >> 32) != (sorted[i - 1] >> 32)) row_starts[rows++] = i;
   row_starts[rows] = kept;
+  auto touched_row = [&](int64_t r) { return static_cast<int64_t>(sorted[row_starts[r]] >> 32); };
 
+  if (write_once) zero_untouched_rows(to.dense, a.num_weights, dim, rows, touched_row, streaming);
   if (!dense) {
     // rows <= capacity: distinct contributing rows are at most N and at most num_weights.
-    for (int64_t r = 0; r < rows; ++r) to.rows[r] = static_cast<int64_t>(sorted[row_starts[r]] >> 32);
+    for (int64_t r = 0; r < rows; ++r) to.rows[r] = touched_row(r);
     for (int64_t r = rows; r < to.capacity; ++r) to.rows[r] = -1;
     advise_huge_pages(to.row_grads, to.capacity * dim * static_cast<int64_t>(sizeof(T)));  // written whole below
     const std::size_t unused_bytes = static_cast<std::size_t>((to.capacity - rows) * dim) * sizeof(T);
@@ -188,13 +283,18 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Destination<
 #pragma omp parallel if (n * dim >= (1 << 16))
   {
     RowScratch<typename ElementTraits<T>::Acc> scratch(dim);
+    std::vector<T> finished(streaming ? static_cast<std::size_t>(dim) : 0);  // a streamed row, before its copy
 #pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t begin = row_starts[r], end = row_starts[r + 1];
-      const int64_t row = static_cast<int64_t>(sorted[begin] >> 32);
-      T* const destination = dense ? to.dense + row * dim : to.row_grads + r * dim;
-      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, destination, scratch);
+      T* const destination = dense ? to.dense + touched_row(r) * dim : to.row_grads + r * dim;
+      reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, streaming ? finished.data() : destination,
+                    scratch);
+      if (streaming)
+        stream_copy(reinterpret_cast<unsigned char*>(destination),
+                    reinterpret_cast<const unsigned char*>(finished.data()), dim * static_cast<int64_t>(sizeof(T)));
     }
+    if (streaming) finish_streaming();
   }
 }
 

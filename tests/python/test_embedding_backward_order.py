@@ -201,6 +201,27 @@ def test_result_independent_of_thread_count(gen):
     assert_bitwise_equal(single, reference, "one thread")
 
 
+@pytest.mark.parametrize("dtype, dim, num_weights", [(torch.float32, 131, 9000), (torch.bfloat16, 1024, 20000)],
+                         ids=["fp32-4.7MB", "bf16-41MB"])
+def test_large_outputs_written_once(dtype, dim, num_weights, gen):
+    """Dense outputs of 4 MB and more are written once, each row its sum or zeros, with streaming stores where their
+    memory was used before and plain ones where it is fresh (src/embedding/cpu.cpp): zeros at both ends, between
+    touched rows and at the padding row, sums as documented, on memory that held NaN just before (a block freed
+    before the call, which the allocator hands out again) as on fresh memory. fp32 D=131: rows of 524 bytes, so
+    the streamed rows start off 16-byte boundaries."""
+    padding = 2
+    touched = torch.tensor([1, 2, 3, num_weights // 2, num_weights // 2 + 1, num_weights - 2])
+    touched = torch.cat([touched, torch.randint(5, num_weights - 5, (200,), generator=gen)])
+    indices = touched[torch.randint(0, touched.numel(), (3000,), generator=gen)]
+    grad = wide_range_grad((3000, dim), dtype, gen)
+    expected = documented_order_reference(grad, indices, num_weights, padding)
+    for _ in range(3):
+        torch.full((num_weights, dim), float("nan"), dtype=dtype)  # freed at once: its block may be the output's
+        out = run_op(grad, indices, num_weights, padding)
+        assert_bitwise_equal(out, expected, "large output")
+        del out
+
+
 def test_result_fixed_by_sorted_runs(gen):
     """The order depends only on the sorted (row, position) list: so
     (a) moving occurrences around while keeping each row's own occurrences in the same relative order,
