@@ -77,6 +77,19 @@ __device__ int64_t upper_bound(const uint32_t* __restrict__ keys, int64_t lo, in
   return lo;
 }
 
+// upper_bound(keys, lo, hi, key) for a run of `key` that most likely ends soon after lo (keys before lo are <= key):
+// steps of doubling length find a bracket, then bisection inside it. A few dependent loads for a short run, where
+// bisecting all of [lo, hi) takes log2(hi - lo).
+__device__ int64_t upper_bound_near(const uint32_t* __restrict__ keys, int64_t lo, int64_t hi, uint32_t key) {
+  int64_t probe = lo, step = 1;
+  while (probe < hi && keys[probe] <= key) {
+    lo = probe + 1;
+    probe += step;
+    step *= 2;
+  }
+  return upper_bound(keys, lo, min(probe, hi), key);
+}
+
 // VEC consecutive elements, moved with one wide memory access.
 template <class T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
@@ -102,11 +115,15 @@ inline Geometry geometry_for(int64_t items, int64_t vectors_per_row) {
 // Destinations of finished rows (the Slot of the reduce kernels), called with the row and a sorted position inside
 // its run. Dense: the row itself. Row-sparse: the run's number among the runs, from the inclusive prefix sum of
 // run starts over sorted positions (the same at every position of a run: no run starts inside another).
+// kNeedsRunStart: whether the slot reads the sorted position (else levels 2 and 3 search for a row's start only to
+// count its occurrences, for scale_grad_by_freq).
 struct DenseSlot {
+  static constexpr bool kNeedsRunStart = false;
   __device__ int64_t operator()(uint32_t row, int64_t /*sorted_position*/) const { return row; }
 };
 
 struct SparseSlot {
+  static constexpr bool kNeedsRunStart = true;
   const uint32_t* __restrict__ runs_so_far;  // runs starting at or before each sorted position
   __device__ int64_t operator()(uint32_t /*row*/, int64_t sorted_position) const {
     return static_cast<int64_t>(runs_so_far[sorted_position]) - 1;
@@ -278,40 +295,44 @@ __global__ void __launch_bounds__(kThreads, kMultiTile ? kMultiTileMinBlocks : 1
                                           group, slot);
 }
 
-// Level 2: rows longer than a level-1 item, within each group of kGroupTiles tiles. One item per tile; a tile
-// leads the row whose piece is in its slot piece_slot(tile, false) (the row began in its level-1 item and goes
-// on), and a group's first tile also leads the row that reaches into the group from before. A leader adds the
-// row's pieces in order up to the end of the row or of the group: a row that lies inside the group is finished,
-// a longer row leaves a piece in the group's slot.
+// Level 2: rows longer than a level-1 item, within each group of kGroupTiles tiles. One thread group per level-1
+// item (tiles_in_item tiles): it leads the row whose piece is in slot piece_slot(t, false) of the item's last tile t
+// (the row began in the item and goes on), and, if the item starts a group, the row that reaches into the group
+// from before (only those tiles' records can name a leader: reduce_tiles). A leader adds the row's pieces in order
+// up to the end of the row or of the group: a row that lies inside the group is finished, a longer row leaves a
+// piece in the group's slot.
 template <class T, int VEC, class Slot>
 __global__ void __launch_bounds__(kThreads)
     reduce_tile_groups(const uint32_t* __restrict__ keys, int64_t n, int64_t dim, uint32_t sentinel,
                        bool scale_grad_by_freq, T* __restrict__ out,
                        const typename ElementTraits<T>::Acc* __restrict__ tile_partials,
                        const uint2* __restrict__ tile_pieces,
-                       typename ElementTraits<T>::Acc* __restrict__ group_partials, int group, Slot slot) {
+                       typename ElementTraits<T>::Acc* __restrict__ group_partials, int64_t tiles_in_item, int group,
+                       Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
-  const int64_t tile = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+  const int64_t item = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t tiles = tile_count(n);
-  if (tile >= tiles) return;
-  const uint2 record = tile_pieces[tile];
-  const bool leads_later = record.y != sentinel;
-  const bool leads_earlier = record.x != sentinel && tile % kGroupTiles == 0;
-  if (!leads_later && !leads_earlier) return;
-  const int64_t tile_group = tile / kGroupTiles;
+  const int64_t first_tile = item * tiles_in_item;
+  if (first_tile >= tiles) return;
+  const int64_t last_tile = min(first_tile + tiles_in_item, tiles) - 1;
+  const uint32_t earlier_row = first_tile % kGroupTiles == 0 ? tile_pieces[first_tile].x : sentinel;
+  const uint32_t later_row = tile_pieces[last_tile].y;
+  if (earlier_row == sentinel && later_row == sentinel) return;
+  const int64_t tile_group = first_tile / kGroupTiles;
   const int64_t end_tile = min((tile_group + 1) * kGroupTiles, tiles);
   const int64_t group_end = min(end_tile * kTile, n);
 
   for (int role = 0; role < 2; ++role) {
-    if (role == 0 ? !leads_earlier : !leads_later) continue;
-    const uint32_t row = role == 0 ? record.x : record.y;
     const bool began_earlier = role == 0;  // a group's first-tile "earlier" piece began before the group
+    const uint32_t row = began_earlier ? earlier_row : later_row;
+    if (row == sentinel) continue;
+    const int64_t tile = began_earlier ? first_tile : last_tile;
     // The row's last tile inside the group: it goes on through tile t while t's record starts with it.
     int64_t last = tile;
     while (last + 1 < end_tile && tile_pieces[last + 1].x == row) ++last;
     const bool goes_on = last + 1 == end_tile && key_at(keys, n, group_end, row);
     int64_t count = 0, row_begin = 0;
-    if (!began_earlier && !goes_on) {
+    if (!began_earlier && !goes_on && (Slot::kNeedsRunStart || scale_grad_by_freq)) {
       // The row began inside this tile's level-1 item, which lies inside the group.
       const int64_t row_end = upper_bound(keys, tile * kTile, group_end, row);
       row_begin = lower_bound(keys, tile_group * kGroupTiles * kTile, group_end, row);
@@ -348,10 +369,11 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t row = keys[group_end - 1];
   if (row == sentinel || !key_at(keys, n, group_end, row)) return;                // does not go on
   if (keys[group_begin] == row && key_at(keys, n, group_begin - 1, row)) return;  // began earlier
-  const int64_t row_begin = lower_bound(keys, group_begin, group_end, row);
-  const int64_t row_end = upper_bound(keys, group_end, n, row);
+  const int64_t row_end = upper_bound_near(keys, group_end, n, row);
   const int64_t last_group = (row_end - 1) / kGroupSpan;
-  const int64_t count = row_end - row_begin;
+  const int64_t row_begin =
+      Slot::kNeedsRunStart || scale_grad_by_freq ? lower_bound(keys, group_begin, group_end, row) : 0;
+  const int64_t count = row_end - row_begin;  // (read only under scale_grad_by_freq)
   for (int64_t v = threadIdx.x % group; v < dim / VEC; v += group) {
     Acc total[VEC];
 #pragma unroll
@@ -431,10 +453,9 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
                                                 static_cast<Acc*>(w.tile_partials), w.tile_pieces, row_occurs,
                                                 tiles_in_item, items.group, slot);
   GS_CUDA_CHECK_LAUNCH();
-  const Geometry tiles = geometry_for(tile_count(n), vectors_per_row);
-  reduce_tile_groups<T, VEC, Slot><<<tiles.blocks, kThreads, 0, stream>>>(
+  reduce_tile_groups<T, VEC, Slot><<<items.blocks, kThreads, 0, stream>>>(
       w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
-      w.tile_pieces, static_cast<Acc*>(w.group_partials), tiles.group, slot);
+      w.tile_pieces, static_cast<Acc*>(w.group_partials), tiles_in_item, items.group, slot);
   GS_CUDA_CHECK_LAUNCH();
   const Geometry groups = geometry_for(tile_group_count(n), vectors_per_row);
   reduce_long_rows<T, VEC, Slot><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
