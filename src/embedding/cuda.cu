@@ -20,33 +20,34 @@
 namespace graphsafe {
 namespace {
 
-// Zero-fills the rows no occurrence touches. Each block covers kZeroUnitsPerBlock consecutive vectors of
-// the flattened output, so every thread issues several stores (a memset's access pattern).
-constexpr int kZeroUnitsPerThread = 16;
-constexpr int64_t kZeroUnitsPerBlock = int64_t(kThreads) * kZeroUnitsPerThread;
+// Zero-fills the rows no occurrence touches. Thread groups of `group` threads take rows in a grid-stride loop: a
+// group reads its row's flag once and, where it is unset, stores the row's vectors (consecutive threads, consecutive
+// vectors). Reading the flag per vector, with a 64-bit division to find its row, cost more than the stores where
+// nearly every row is touched.
+constexpr int64_t kMaxZeroBlocks = 4096;
 
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t total_vectors,
-                        int64_t vectors_per_row) {
+    zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t num_weights,
+                        int64_t vectors_per_row, int group) {
   Pack<T, VEC> zero;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) zero.v[k] = ElementTraits<T>::store(0);
-  const int64_t first = int64_t(blockIdx.x) * kZeroUnitsPerBlock + threadIdx.x;
-#pragma unroll
-  for (int i = 0; i < kZeroUnitsPerThread; ++i) {
-    const int64_t unit = first + int64_t(i) * kThreads;
-    if (unit < total_vectors && !row_occurs[unit / vectors_per_row])
-      reinterpret_cast<Pack<T, VEC>*>(out)[unit] = zero;
+  const int64_t groups_in_grid = int64_t(gridDim.x) * (blockDim.x / group);
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group; row < num_weights;
+       row += groups_in_grid) {
+    if (row_occurs[row]) continue;
+    Pack<T, VEC>* const vectors = reinterpret_cast<Pack<T, VEC>*>(out) + row * vectors_per_row;
+    for (int64_t v = threadIdx.x % group; v < vectors_per_row; v += group) vectors[v] = zero;
   }
 }
 
 template <class T, int VEC>
 void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
-  const int64_t vectors_per_row = a.dim / VEC, total = a.num_weights * vectors_per_row;
-  const int64_t blocks = (total + kZeroUnitsPerBlock - 1) / kZeroUnitsPerBlock;
-  zero_untouched_rows<T, VEC><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(out), w.row_occurs, total,
-                                                               vectors_per_row);
+  const int64_t vectors_per_row = a.dim / VEC;
+  const Geometry rows = geometry_for(a.num_weights, vectors_per_row);
+  zero_untouched_rows<T, VEC><<<std::min(rows.blocks, kMaxZeroBlocks), kThreads, 0, stream>>>(
+      static_cast<T*>(out), w.row_occurs, a.num_weights, vectors_per_row, rows.group);
   GS_CUDA_CHECK_LAUNCH();
 }
 
