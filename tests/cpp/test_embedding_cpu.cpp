@@ -4,10 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
 #include <stdexcept>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "common/numeric.h"
 #include "graphsafe/embedding.h"
@@ -32,7 +38,8 @@ Problem make_problem(int64_t num_weights, int64_t dim, int64_t n, int64_t distin
   return p;
 }
 
-std::vector<float> run_cpu(const Problem& p, int64_t padding_idx, bool scale, DType index_dtype = DType::Int64) {
+// The dense backward of p into `out` (num_weights * dim floats).
+void run_cpu_into(const Problem& p, int64_t padding_idx, bool scale, float* out, DType index_dtype = DType::Int64) {
   std::vector<int32_t> indices32(p.indices.begin(), p.indices.end());
   EmbeddingBackwardArgs a;
   a.grad = p.grad.data();
@@ -46,8 +53,12 @@ std::vector<float> run_cpu(const Problem& p, int64_t padding_idx, bool scale, DT
   a.scale_grad_by_freq = scale;
   std::vector<unsigned char> ws(
       embedding_backward_workspace_bytes(Backend::Cpu, a.grad_dtype, a.num_indices, a.dim, a.num_weights));
+  embedding_backward_dense_cpu(a, out, ws.data(), ws.size());
+}
+
+std::vector<float> run_cpu(const Problem& p, int64_t padding_idx, bool scale, DType index_dtype = DType::Int64) {
   std::vector<float> out(p.num_weights * p.dim, -7.0f);  // poisoned: every element must be written
-  embedding_backward_dense_cpu(a, out.data(), ws.data(), ws.size());
+  run_cpu_into(p, padding_idx, scale, out.data(), index_dtype);
   return out;
 }
 
@@ -207,4 +218,41 @@ TEST(EmbeddingCpu, EmptyResultWithNullOutput) {
   a.dim = 0;
   a.num_weights = 4;  // index 4 is out of range even though nothing would be written
   EXPECT_THROW(embedding_backward_dense_cpu(a, nullptr, ws.data(), ws.size()), std::out_of_range);
+}
+
+// Dense outputs of 4 MB and more are written once, each row its sum or zeros, with streaming stores where the
+// output's memory is resident and plain ones where its last page is not (src/embedding/cpu.cpp). Both must write
+// every element: a NaN-poisoned vector (resident), and a fresh mapping poisoned except its last page (judged fresh).
+// Sizes just under and over 4 MB, 524-byte rows (streamed rows start off 16-byte boundaries), touched rows at both
+// ends, the padding row, and no row at all to sum (every index on the padding row; no index).
+TEST(EmbeddingCpu, LargeOutputsAreWrittenOnce) {
+  const int64_t dim = 131, row_bytes = dim * 4, four_mb = int64_t(1) << 22;
+  for (const int64_t num_weights : {four_mb / row_bytes, four_mb / row_bytes + 1, int64_t(9000)}) {
+    Problem touched = make_problem(num_weights, dim, 3000, num_weights, 7);
+    touched.indices[0] = 0;
+    touched.indices[1] = num_weights - 1;
+    touched.indices[2] = touched.indices[3] = 5;  // the padding row below
+    Problem all_padding = make_problem(num_weights, dim, 40, 1, 8);
+    for (auto& i : all_padding.indices) i = 5;
+    const Problem no_index{num_weights, dim, {}, {}};
+    for (const Problem* p : std::initializer_list<const Problem*>{&touched, &all_padding, &no_index}) {
+      const std::vector<float> expected = documented_order(*p, 5, false);
+      const std::size_t bytes = expected.size() * sizeof(float);
+      std::vector<float> reused(expected.size(), std::nanf(""));
+      run_cpu_into(*p, 5, false, reused.data());
+      EXPECT_EQ(std::memcmp(reused.data(), expected.data(), bytes), 0) << num_weights << " rows, resident";
+#if defined(__linux__)
+      const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+      const std::size_t mapped = (bytes + page - 1) / page * page;
+      void* fresh = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      ASSERT_NE(fresh, MAP_FAILED);
+      (void)madvise(fresh, mapped, MADV_NOHUGEPAGE);  // poisoning must not bring the last page in with a huge one
+      auto* poisoned = static_cast<float*>(fresh);
+      std::fill(poisoned, poisoned + (mapped - page) / sizeof(float), std::nanf(""));
+      run_cpu_into(*p, 5, false, poisoned);
+      EXPECT_EQ(std::memcmp(poisoned, expected.data(), bytes), 0) << num_weights << " rows, fresh";
+      munmap(fresh, mapped);
+#endif
+    }
+  }
 }
