@@ -164,33 +164,29 @@ bool resident(const void* p) {
 #endif
 }
 
-// Zeroes [p, p + bytes): the 16-byte aligned middle with streaming stores where the platform has them (x86-64's
-// SSE2; elsewhere memset), the ends with memset.
-void stream_zero(unsigned char* p, int64_t bytes) {
+// Writes bytes to `to`: a copy of `from`, or zeros where `from` is null. With `streaming`, the 16-byte aligned middle
+// goes out as streaming stores where the platform has them (x86-64's SSE2), the ends as plain stores; otherwise all
+// of it as plain stores.
+void write_bytes(unsigned char* to, const unsigned char* from, int64_t bytes, bool streaming) {
+  auto plain = [&](int64_t offset, int64_t count) {
+    if (from != nullptr) std::memcpy(to + offset, from + offset, static_cast<std::size_t>(count));
+    else std::memset(to + offset, 0, static_cast<std::size_t>(count));
+  };
 #if defined(__SSE2__)
-  const int64_t head = std::min(bytes, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15));
-  const int64_t body = (bytes - head) & ~int64_t(15);
-  std::memset(p, 0, static_cast<std::size_t>(head));
-  const __m128i zero = _mm_setzero_si128();
-  for (int64_t i = head; i < head + body; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(p + i), zero);
-  std::memset(p + head + body, 0, static_cast<std::size_t>(bytes - head - body));
-#else
-  std::memset(p, 0, static_cast<std::size_t>(bytes));
+  if (streaming) {
+    const int64_t head = std::min(bytes, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15));
+    const int64_t body_end = head + ((bytes - head) & ~int64_t(15));
+    plain(0, head);
+    for (int64_t i = head; i < body_end; i += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + i),
+                       from != nullptr ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))
+                                       : _mm_setzero_si128());
+    plain(body_end, bytes - body_end);
+    return;
+  }
 #endif
-}
-
-// Copies bytes from `from` to `to` as stream_zero writes.
-void stream_copy(unsigned char* to, const unsigned char* from, int64_t bytes) {
-#if defined(__SSE2__)
-  const int64_t head = std::min(bytes, static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15));
-  const int64_t body = (bytes - head) & ~int64_t(15);
-  std::memcpy(to, from, static_cast<std::size_t>(head));
-  for (int64_t i = head; i < head + body; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i)));
-  std::memcpy(to + head + body, from + head + body, static_cast<std::size_t>(bytes - head - body));
-#else
-  std::memcpy(to, from, static_cast<std::size_t>(bytes));
-#endif
+  (void)streaming;
+  plain(0, bytes);
 }
 
 void finish_streaming() {
@@ -224,9 +220,8 @@ void zero_untouched_rows(T* out, int64_t num_weights, int64_t dim, int64_t rows,
       int64_t from = first;
       for (int64_t r = lo; from < last; ++r) {
         const int64_t to = r < rows ? std::min(last, touched_row(r)) : last;
-        auto* const span = reinterpret_cast<unsigned char*>(out + from * dim);
-        if (to > from && streaming) stream_zero(span, (to - from) * row_bytes);
-        if (to > from && !streaming) std::memset(span, 0, static_cast<std::size_t>((to - from) * row_bytes));
+        if (to > from)
+          write_bytes(reinterpret_cast<unsigned char*>(out + from * dim), nullptr, (to - from) * row_bytes, streaming);
         from = to + 1;
       }
     }
@@ -291,8 +286,9 @@ void run(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Destination<
       reduce_row<T>(grad, dim, sorted, begin, end, a.scale_grad_by_freq, streaming ? finished.data() : destination,
                     scratch);
       if (streaming)
-        stream_copy(reinterpret_cast<unsigned char*>(destination),
-                    reinterpret_cast<const unsigned char*>(finished.data()), dim * static_cast<int64_t>(sizeof(T)));
+        write_bytes(reinterpret_cast<unsigned char*>(destination),
+                    reinterpret_cast<const unsigned char*>(finished.data()), dim * static_cast<int64_t>(sizeof(T)),
+                    /*streaming=*/true);
     }
     if (streaming) finish_streaming();
   }
