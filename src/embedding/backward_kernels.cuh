@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "common/cuda_check.h"
+#include "common/dependent_launch.cuh"
 #include "common/device_error.cuh"
 #include "embedding/reduction.h"
 #include "graphsafe/embedding.h"
@@ -42,16 +43,23 @@ inline int sort_end_bit(int64_t num_weights) {
   return bits;
 }
 
-// One (row, position) pair per occurrence.
+// One (row, position) pair per occurrence. row_occurs (dense result; may be null): cleared here, for level 1 to flag
+// the rows it sums (one launch fewer than a memset of its own).
 template <class Index>
 __global__ void make_sort_keys(const Index* __restrict__ indices, int64_t n, int64_t num_weights, int64_t padding_idx,
                                uint32_t* __restrict__ keys, uint32_t* __restrict__ positions,
-                               DeviceErrorRecord* error) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+                               uint8_t* __restrict__ row_occurs, DeviceErrorRecord* error) {
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < n; i += stride) {
     const int64_t index = static_cast<int64_t>(indices[i]);
     if (index < 0 || index >= num_weights) report_index_out_of_range(error, index, num_weights);
     keys[i] = sort_key(index, num_weights, padding_idx);
     positions[i] = static_cast<uint32_t>(i);
+  }
+  if (row_occurs != nullptr) {  // 16 flags per store (the workspace carves it 256-byte aligned), then the rest
+    const int64_t vectors = num_weights / 16;
+    for (int64_t v = first; v < vectors; v += stride) reinterpret_cast<uint4*>(row_occurs)[v] = make_uint4(0, 0, 0, 0);
+    for (int64_t row = vectors * 16 + first; row < num_weights; row += stride) row_occurs[row] = 0;
   }
 }
 
@@ -274,6 +282,7 @@ __global__ void __launch_bounds__(kThreads, kMultiTile ? kMultiTileMinBlocks : 1
                  int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
                  typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
                  uint8_t* __restrict__ row_occurs, int64_t tiles_in_item, int group, Slot slot) {
+  wait_for_preceding_kernel();  // the sort (launch_dependent)
   const int64_t item = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t first_tile = item * tiles_in_item;
   const int64_t begin = first_tile * kTile;
@@ -310,6 +319,7 @@ __global__ void __launch_bounds__(kThreads)
                        typename ElementTraits<T>::Acc* __restrict__ group_partials, int64_t tiles_in_item, int group,
                        Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
+  wait_for_preceding_kernel();  // level 1 (launch_dependent)
   const int64_t item = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t tiles = tile_count(n);
   const int64_t first_tile = item * tiles_in_item;
@@ -362,6 +372,7 @@ __global__ void __launch_bounds__(kThreads)
                      const typename ElementTraits<T>::Acc* __restrict__ group_partials, int group, Slot slot) {
   using Acc = typename ElementTraits<T>::Acc;
   constexpr int64_t kGroupSpan = kTile * kGroupTiles;
+  wait_for_preceding_kernel();  // level 2, and through it level 1 (launch_dependent)
   const int64_t tile_group = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t group_begin = tile_group * kGroupSpan;
   if (group_begin >= n) return;
@@ -410,20 +421,21 @@ inline Workspace carve(void* base, const embedding_detail::CudaWorkspaceLayout& 
           p + l.scan_scratch,                              l.scan_bytes};
 }
 
-// Keys and positions of every occurrence (indices checked and errors recorded even where nothing is summed).
+// Keys and positions of every occurrence (indices checked and errors recorded even where nothing is summed); clears
+// row_occurs where it is not null (the dense result's row flags, w.row_occurs). Nothing is launched without indices.
 inline void launch_make_sort_keys(const EmbeddingBackwardArgs& a, int64_t padding_idx, const Workspace& w,
-                                  DeviceErrorRecord* error, cudaStream_t stream) {
+                                  uint8_t* row_occurs, DeviceErrorRecord* error, cudaStream_t stream) {
   const int n = static_cast<int>(a.num_indices);
   if (n == 0) return;
   const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));
   if (a.index_dtype == DType::Int32)
     make_sort_keys<int32_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(a.indices), n,
                                                                  a.num_weights, padding_idx, w.keys_in, w.positions_in,
-                                                                 error);
+                                                                 row_occurs, error);
   else
     make_sort_keys<int64_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(a.indices), n,
                                                                  a.num_weights, padding_idx, w.keys_in, w.positions_in,
-                                                                 error);
+                                                                 row_occurs, error);
   GS_CUDA_CHECK_LAUNCH();
 }
 
@@ -436,7 +448,7 @@ inline void sort_by_row(const EmbeddingBackwardArgs& a, const Workspace& w, cuda
 }
 
 // The three reduce levels over the sorted pairs; `out` is the dense result or row_grads, as `slot` says. row_occurs
-// (dense result, zeroed beforehand; may be null): flags every row that receives a sum.
+// (dense result, cleared beforehand; may be null): flags every row that receives a sum.
 template <class T, int VEC, class Slot>
 void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, Slot slot, uint8_t* row_occurs,
                    cudaStream_t stream) {
@@ -447,22 +459,21 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
   const int64_t vectors_per_row = a.dim / VEC;
   const int64_t tiles_in_item = tiles_per_item(tile_count(n), geometry_for(1, vectors_per_row).group);
   const Geometry items = geometry_for((tile_count(n) + tiles_in_item - 1) / tiles_in_item, vectors_per_row);
-  const auto level1 = tiles_in_item > 1 ? reduce_tiles<T, VEC, Slot, true> : reduce_tiles<T, VEC, Slot, false>;
-  level1<<<items.blocks, kThreads, 0, stream>>>(static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, n,
-                                                a.dim, sentinel, a.scale_grad_by_freq, result,
-                                                static_cast<Acc*>(w.tile_partials), w.tile_pieces, row_occurs,
-                                                tiles_in_item, items.group, slot);
-  GS_CUDA_CHECK_LAUNCH();
-  reduce_tile_groups<T, VEC, Slot><<<items.blocks, kThreads, 0, stream>>>(
-      w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials),
-      w.tile_pieces, static_cast<Acc*>(w.group_partials), tiles_in_item, items.group, slot);
-  GS_CUDA_CHECK_LAUNCH();
+  // Each level is a dependent launch (common/dependent_launch.cuh): its blocks are scheduled while the kernel ahead
+  // finishes, and every block waits for it before reading anything.
+  launch_dependent(tiles_in_item > 1 ? reduce_tiles<T, VEC, Slot, true> : reduce_tiles<T, VEC, Slot, false>,
+                   items.blocks, kThreads, 0, stream, static_cast<const T*>(a.grad),
+                   static_cast<const uint32_t*>(w.keys_sorted), static_cast<const uint32_t*>(w.positions_sorted), n,
+                   a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<Acc*>(w.tile_partials), w.tile_pieces,
+                   row_occurs, tiles_in_item, items.group, slot);
+  launch_dependent(reduce_tile_groups<T, VEC, Slot>, items.blocks, kThreads, 0, stream,
+                   static_cast<const uint32_t*>(w.keys_sorted), n, a.dim, sentinel, a.scale_grad_by_freq, result,
+                   static_cast<const Acc*>(w.tile_partials), static_cast<const uint2*>(w.tile_pieces),
+                   static_cast<Acc*>(w.group_partials), tiles_in_item, items.group, slot);
   const Geometry groups = geometry_for(tile_group_count(n), vectors_per_row);
-  reduce_long_rows<T, VEC, Slot><<<groups.blocks, kThreads, 0, stream>>>(w.keys_sorted, n, a.dim, sentinel,
-                                                                   a.scale_grad_by_freq, result,
-                                                                   static_cast<const Acc*>(w.group_partials),
-                                                                   groups.group, slot);
-  GS_CUDA_CHECK_LAUNCH();
+  launch_dependent(reduce_long_rows<T, VEC, Slot>, groups.blocks, kThreads, 0, stream,
+                   static_cast<const uint32_t*>(w.keys_sorted), n, a.dim, sentinel, a.scale_grad_by_freq, result,
+                   static_cast<const Acc*>(w.group_partials), groups.group, slot);
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -2,13 +2,15 @@
 // share are in backward_kernels.cuh).
 //
 // 1. make_sort_keys: one (row, position) pair per occurrence; padding and out-of-range occurrences get the
-//    sentinel row num_weights (out-of-range ones are also reported in the device error record).
+//    sentinel row num_weights (out-of-range ones are also reported in the device error record). It also clears
+//    the row flags.
 // 2. A stable radix sort of the pairs by row: each row's occurrences end up in increasing position.
 // 3. reduce_tiles / reduce_tile_groups / reduce_long_rows: the three levels of the reduction order in
 //    embedding.h. Each level finishes the rows that end inside its unit and leaves partial sums of longer
 //    rows for the next level, so work stays spread evenly and searches are short and rare. Level 1 flags
 //    each row it starts (one store per row, wherever its occurrences were).
 // 4. zero_untouched_rows: zero every row that was not flagged (each output byte is written once).
+// Steps 3 and 4 are dependent launches (common/dependent_launch.cuh), which hides the gaps between them.
 // All buffers are sized from shapes; grids cover every tile and threads exit early, so nothing is read
 // back to the host and the whole sequence can be captured in a CUDA graph.
 // Small problems (few indices; embedding_backward_cuda_small_path decides from shapes) take cuda_small.cu's two
@@ -20,50 +22,60 @@
 namespace graphsafe {
 namespace {
 
-// Zero-fills the rows no occurrence touches. Thread groups of `group` threads take rows in a grid-stride loop: a
-// group reads its row's flag once and, where it is unset, stores the row's vectors (consecutive threads, consecutive
-// vectors). Reading the flag per vector, with a 64-bit division to find its row, cost more than the stores where
-// nearly every row is touched.
+// Zero-fills the rows no occurrence touches. Each warp takes 32 consecutive rows at a time, in a grid-stride loop: its
+// lanes read the 32 row flags at once, and the warp stores the untouched rows, its lanes on consecutive vectors (rows
+// of fewer than 32 vectors: the untouched rows' vectors of all 32 rows spread over the lanes). Where nearly every row
+// is touched, as at large N, the fill is then one flag load per lane; a thread group per row waited on each of its
+// rows' flags in turn.
 constexpr int64_t kMaxZeroBlocks = 4096;
+constexpr int kWarp = 32;
 
 template <class T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     zero_untouched_rows(T* __restrict__ out, const uint8_t* __restrict__ row_occurs, int64_t num_weights,
-                        int64_t vectors_per_row, int group) {
+                        int64_t vectors_per_row) {
+  wait_for_preceding_kernel();  // level 3 (launch_dependent), after level 1 has flagged the rows it sums
   Pack<T, VEC> zero;
 #pragma unroll
   for (int k = 0; k < VEC; ++k) zero.v[k] = ElementTraits<T>::store(0);
-  const int64_t groups_in_grid = int64_t(gridDim.x) * (blockDim.x / group);
-  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group; row < num_weights;
-       row += groups_in_grid) {
-    if (row_occurs[row]) continue;
-    Pack<T, VEC>* const vectors = reinterpret_cast<Pack<T, VEC>*>(out) + row * vectors_per_row;
-    for (int64_t v = threadIdx.x % group; v < vectors_per_row; v += group) vectors[v] = zero;
+  Pack<T, VEC>* const vectors = reinterpret_cast<Pack<T, VEC>*>(out);
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps_in_grid = int64_t(gridDim.x) * (blockDim.x / kWarp);
+  for (int64_t first = (int64_t(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp) * kWarp;
+       first < num_weights; first += warps_in_grid * kWarp) {  // warp-uniform: every lane takes part in the ballot
+    unsigned untouched = __ballot_sync(0xffffffffu, first + lane < num_weights && !row_occurs[first + lane]);
+    if (untouched == 0) continue;
+    if (vectors_per_row >= kWarp) {
+      for (; untouched != 0; untouched &= untouched - 1) {
+        const int64_t row = first + __ffs(untouched) - 1;
+        for (int64_t v = lane; v < vectors_per_row; v += kWarp) vectors[row * vectors_per_row + v] = zero;
+      }
+    } else {
+      for (int64_t u = lane; u < kWarp * vectors_per_row; u += kWarp)
+        if ((untouched >> (u / vectors_per_row)) & 1u) vectors[first * vectors_per_row + u] = zero;
+    }
   }
 }
 
 template <class T, int VEC>
 void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
-  const int64_t vectors_per_row = a.dim / VEC;
-  const Geometry rows = geometry_for(a.num_weights, vectors_per_row);
-  zero_untouched_rows<T, VEC><<<std::min(rows.blocks, kMaxZeroBlocks), kThreads, 0, stream>>>(
-      static_cast<T*>(out), w.row_occurs, a.num_weights, vectors_per_row, rows.group);
-  GS_CUDA_CHECK_LAUNCH();
+  const int64_t warps = (a.num_weights + kWarp - 1) / kWarp;
+  const int64_t blocks = std::min((warps + kThreads / kWarp - 1) / (kThreads / kWarp), kMaxZeroBlocks);
+  launch_dependent(zero_untouched_rows<T, VEC>, blocks, kThreads, 0, stream, static_cast<T*>(out),
+                   static_cast<const uint8_t*>(w.row_occurs), a.num_weights, a.dim / VEC);
 }
 
 // Sorts, reduces and zero-fills the untouched rows, with 16-byte accesses when rows allow it.
 template <class T>
 void run_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
-  constexpr int kWide = wide_vector<T>();
-  const bool wide = use_wide_vectors<T>(a, out);
-  if (a.num_indices > 0) {
-    sort_by_row(a, w, stream);
-    if (wide)
-      reduce_sorted<T, kWide>(a, w, out, DenseSlot{}, w.row_occurs, stream);
-    else
-      reduce_sorted<T, 1>(a, w, out, DenseSlot{}, w.row_occurs, stream);
+  sort_by_row(a, w, stream);
+  if (use_wide_vectors<T>(a, out)) {
+    reduce_sorted<T, wide_vector<T>()>(a, w, out, DenseSlot{}, w.row_occurs, stream);
+    zero_untouched<T, wide_vector<T>()>(a, w, out, stream);
+  } else {
+    reduce_sorted<T, 1>(a, w, out, DenseSlot{}, w.row_occurs, stream);
+    zero_untouched<T, 1>(a, w, out, stream);
   }
-  if (wide) zero_untouched<T, kWide>(a, w, out, stream); else zero_untouched<T, 1>(a, w, out, stream);
 }
 
 }  // namespace
@@ -105,9 +117,13 @@ void embedding_backward_dense_cuda(const EmbeddingBackwardArgs& a, void* out, vo
     return;
   }
   const Workspace w = carve(workspace, layout);
-  if (a.num_weights > 0) GS_CUDA_CHECK(cudaMemsetAsync(w.row_occurs, 0, static_cast<std::size_t>(a.num_weights), stream));
-  launch_make_sort_keys(a, padding_idx, w, error, stream);
+  launch_make_sort_keys(a, padding_idx, w, w.row_occurs, error, stream);
   if (a.num_weights == 0 || a.dim == 0) return;  // nothing to write (indices were still checked)
+  if (a.num_indices == 0) {  // no occurrence: every row is zero
+    GS_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<std::size_t>(a.num_weights * a.dim) * dtype_size(a.grad_dtype),
+                                  stream));
+    return;
+  }
   switch (a.grad_dtype) {
     case DType::Float32: run_typed<float>(a, w, out, stream); break;
     case DType::Float64: run_typed<double>(a, w, out, stream); break;

@@ -22,7 +22,6 @@
 // Grids and the path itself are chosen from shapes alone; nothing is read back, so both launches can be captured.
 #include <cub/block/block_radix_sort.cuh>
 
-#include <atomic>
 #include <type_traits>
 
 #include "embedding/backward_kernels.cuh"
@@ -73,22 +72,6 @@ __device__ void zero_rows_without_bit(char* __restrict__ out, int64_t first_row,
     const uint32_t row = u / units_per_row;
     if (!((occurs[row >> 5] >> (row & 31)) & 1u)) dst[u] = U{};
   }
-}
-
-// Programmatic dependent launch (sm_90+): the kernel after this one in the stream may start now; it still sees
-// this kernel's writes only after wait_for_preceding_kernel. No-ops where the GPU code is older than sm_90.
-__device__ void let_next_kernel_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaTriggerProgrammaticLaunchCompletion();
-#endif
-}
-
-// Waits until the preceding kernel has finished and its writes are visible (griddepcontrol.wait). Without a
-// programmatic launch, stream order already guarantees that, and this returns at once.
-__device__ void wait_for_preceding_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cudaGridDependencySynchronize();
-#endif
 }
 
 template <class Index, int kItems>
@@ -300,49 +283,17 @@ int small_path_vector(const EmbeddingBackwardArgs& a, const void* out) {
   return a.dim / kWide < kThreads && a.dim / (kWide / 2) <= kThreads ? kWide / 2 : kWide;
 }
 
-// Whether step 2 may be a programmatic dependent launch on the current device: only if the GPU code it runs there
-// was compiled for sm_90 or later, where wait_for_preceding_kernel really waits (code JIT-compiled from older PTX
-// would not). Asked once per device and instantiation.
-constexpr int kMaxDevices = 64;
-
-template <class Kernel>
-bool dependent_launch_allowed(Kernel kernel) {
-  static std::atomic<int8_t> known[kMaxDevices] = {};  // 0 not asked yet, 1 no, 2 yes
-  int device = 0;
-  GS_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) return false;
-  int8_t answer = known[device].load(std::memory_order_relaxed);
-  if (answer == 0) {
-    cudaFuncAttributes attributes{};
-    GS_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    answer = attributes.ptxVersion >= 90 ? 2 : 1;
-    known[device].store(answer, std::memory_order_relaxed);
-  }
-  return answer == 2;
-}
-
 template <class T, int VEC>
 void launch_zero_and_reduce(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, const ZeroFill& zero,
                             int64_t zero_blocks, std::size_t occurs_bytes, cudaStream_t stream) {
   using Acc = typename ElementTraits<T>::Acc;
   const Geometry tiles = geometry_for(tile_count(a.num_indices), a.dim / VEC);
-  const auto kernel = zero_and_reduce_small<T, VEC>;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(tiles.blocks + zero_blocks));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = occurs_bytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = dependent_launch_allowed(kernel) ? 1 : 0;
-  GS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(a.grad),
-                                   static_cast<const uint32_t*>(w.keys_sorted),
-                                   static_cast<const uint32_t*>(w.positions_sorted), a.num_indices, a.dim,
-                                   static_cast<uint32_t>(a.num_weights), a.scale_grad_by_freq, static_cast<T*>(out),
-                                   static_cast<Acc*>(w.tile_partials), reinterpret_cast<uint32_t*>(w.tile_pieces),
-                                   tiles.group, tiles.blocks, zero));
+  launch_dependent(zero_and_reduce_small<T, VEC>, tiles.blocks + zero_blocks, kThreads, occurs_bytes, stream,
+                   static_cast<const T*>(a.grad), static_cast<const uint32_t*>(w.keys_sorted),
+                   static_cast<const uint32_t*>(w.positions_sorted), a.num_indices, a.dim,
+                   static_cast<uint32_t>(a.num_weights), a.scale_grad_by_freq, static_cast<T*>(out),
+                   static_cast<Acc*>(w.tile_partials), reinterpret_cast<uint32_t*>(w.tile_pieces), tiles.group,
+                   tiles.blocks, zero);
 }
 
 template <class T>

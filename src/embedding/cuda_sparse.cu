@@ -101,7 +101,7 @@ void embedding_backward_sparse_cuda(const EmbeddingBackwardArgs& a, int64_t* row
                                            a.num_indices, a.dim, /*num_row_flags=*/0, acc_bytes,
                                            embedding_backward_cuda_sort_bytes(a.num_indices, a.num_weights),
                                            embedding_backward_cuda_scan_bytes(a.num_indices)));
-  launch_make_sort_keys(a, padding_idx, w, error, stream);
+  launch_make_sort_keys(a, padding_idx, w, /*row_occurs=*/nullptr, error, stream);
   if (capacity == 0) {  // no slot (N or num_weights is 0; indices were still checked)
     GS_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int64_t), stream));
     return;

@@ -147,3 +147,50 @@ def multi_tile_item_case(rows: int, dim: int, dtype: torch.dtype, seed: int):
     cuda_gen = torch.Generator(device="cuda").manual_seed(seed)
     grad = torch.randn((flat.numel(), dim), generator=cuda_gen, device="cuda", dtype=torch.float32).to(dtype)
     return flat, grad.cpu()
+
+
+# The edges between multi-tile level-1 items of the CUDA backend (backward_kernels.cuh): EDGE_ITEM_TILES-tile items
+# are what tiles_per_item gives fp32 rows of EDGE_DIM (a block-wide thread group) over EDGE_TILES tiles.
+EDGE_DIM, EDGE_ITEM_TILES, EDGE_TILES = 1024, 2, 4601  # the last item is one tile
+
+
+def item_edge_case(seed: int):
+    """Indices (EDGE_TILES * TILE of them, shuffled) whose sorted runs meet every case of an item edge, and the
+    number of runs of each case, counted from the run layout alone with items of EDGE_ITEM_TILES tiles:
+    'ends_in_next_item' (begins inside an item, ends inside the next, no group edge between),
+    'ends_on_next_item_end' (of those, ends on the next item's last position), 'starts_on_item_start' (of those,
+    begins on its item's first position), 'crosses_group_edge' (would end in the next item, but a tile group starts
+    at the edge) and 'spans_next_item' (goes on past the next item)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, item, group = EDGE_TILES * TILE, EDGE_ITEM_TILES * TILE, TILE * TILE_GROUP
+    lengths, total = [], 0
+    while total < n:
+        kind = int(torch.randint(0, 10, (1,), generator=gen))
+        if kind < 6:
+            length = int(torch.randint(1, item + 8, (1,), generator=gen))
+        elif kind < 8:  # end on the next item's last position, or one before or after it
+            to_next_end = (total // item + 2) * item - total
+            length = to_next_end + int(torch.randint(-1, 2, (1,), generator=gen))
+        else:
+            length = int(torch.randint(item, 3 * item, (1,), generator=gen))
+        length = max(1, min(length, n - total))
+        lengths.append(length)
+        total += length
+    counts = dict.fromkeys(("ends_in_next_item", "ends_on_next_item_end", "starts_on_item_start",
+                            "crosses_group_edge", "spans_next_item"), 0)
+    start = 0
+    for length in lengths:
+        end = start + length  # the run is [start, end)
+        edge = (start // item + 1) * item  # the first edge after the run's start
+        if end > edge:
+            if end > edge + item:
+                counts["spans_next_item"] += 1
+            elif edge % group == 0:
+                counts["crosses_group_edge"] += 1
+            else:
+                counts["ends_in_next_item"] += 1
+                counts["ends_on_next_item_end"] += end == edge + item
+                counts["starts_on_item_start"] += start % item == 0
+        start = end
+    flat = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return flat[torch.randperm(n, generator=gen)], counts

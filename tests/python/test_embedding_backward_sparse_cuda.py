@@ -29,7 +29,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
-from embedding_backward_helpers import Canaried, multi_tile_item_case
+from embedding_backward_helpers import EDGE_DIM, Canaried, item_edge_case, multi_tile_item_case
 
 pytestmark = requires_cuda
 
@@ -181,6 +181,16 @@ def test_cuda_matches_cpu_multi_tile_items(dtype, dim, rows):
     """Level 1 with several tiles per item (as test_embedding_cuda.test_cuda_matches_cpu_multi_tile_items)."""
     flat, grad = multi_tile_item_case(rows, dim, dtype, seed=rows + dim + 1)
     assert_cuda_matches_cpu(grad, flat, rows + 2, int(torch.mode(flat).values), True)
+
+
+def test_cuda_matches_cpu_rows_at_item_edges():
+    """Runs around multi-tile item edges (as test_embedding_cuda.test_cuda_matches_cpu_rows_at_item_edges): each row
+    in its own slot, with its count under scale_grad_by_freq."""
+    flat, counts = item_edge_case(seed=8)
+    assert min(counts.values()) >= 5, counts
+    grad = random_grad((flat.numel(), EDGE_DIM), torch.float32, make_generator(8))
+    for padding, scale in [(-1, True), (int(flat[0]), False)]:
+        assert_cuda_matches_cpu(grad, flat, int(flat.max()) + 2, padding, scale)
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)

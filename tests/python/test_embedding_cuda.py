@@ -33,7 +33,7 @@ from conftest import (
     uniform_indices,
     zipf_indices,
 )
-from embedding_backward_helpers import multi_tile_item_case
+from embedding_backward_helpers import EDGE_DIM, item_edge_case, multi_tile_item_case
 
 pytestmark = requires_cuda
 
@@ -194,6 +194,17 @@ def test_cuda_matches_cpu_multi_tile_items(dtype, dim, rows):
     flat, grad = multi_tile_item_case(rows, dim, dtype, seed=rows + dim)
     for padding, scale in [(-1, False), (int(torch.mode(flat).values), True)]:
         assert_cuda_matches_cpu(grad, flat, rows + 2, padding, scale, f"D={dim} pad={padding} scale={scale}")
+
+
+def test_cuda_matches_cpu_rows_at_item_edges():
+    """Runs around the edges of multi-tile level-1 items (embedding_backward_helpers.item_edge_case): ending inside
+    or on the end of the next item, starting on an item's start, crossing a group edge, spanning the next item."""
+    flat, counts = item_edge_case(seed=7)
+    assert min(counts.values()) >= 5, counts
+    grad = random_grad((flat.numel(), EDGE_DIM), torch.float32, make_generator(7))
+    num_weights = int(flat.max()) + 2
+    for padding, scale in [(-1, False), (-1, True), (int(flat[0]), False)]:
+        assert_cuda_matches_cpu(grad, flat, num_weights, padding, scale, f"pad={padding} scale={scale}")
 
 
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
