@@ -76,9 +76,11 @@ def embedding_cases(failures: list[str]) -> int:
     generator = torch.Generator().manual_seed(1)
     count = 0
     for dtype in (torch.float32, torch.bfloat16):
-        # Up to 4096 tokens the dense backward takes its small-problem path (cuda_small.cu), above it the general one.
+        # Up to 4096 tokens the dense backward takes its small-problem path (cuda_small.cu), above it the general one
+        # (no tokens: the general path's fill alone). The general path's zero fill takes rows of fewer than 32 vectors
+        # and of more (D=512), num_weights not a multiple of 32 among them.
         for num_weights, dim, tokens in ((1, 8, 5), (50, 64, 1000), (1000, 257, 3000), (7, 1024, 4096),
-                                         (3000, 64, 4097), (40, 24, 9000)):
+                                         (3000, 64, 4097), (40, 24, 9000), (100, 512, 5000), (10, 64, 0)):
             hot = torch.randint(0, min(num_weights, 3), (tokens // 2,), generator=generator)
             spread = torch.randint(0, num_weights, (tokens - tokens // 2,), generator=generator)
             indices = torch.cat([hot, spread]).to(DEVICE)
