@@ -1,14 +1,17 @@
 // Programmatic dependent launch (sm_90+): a kernel launched this way may be scheduled before the kernel ahead of it
 // in the stream has finished, and waits for it where it must (wait_for_preceding_kernel). That hides the gap between
 // two dependent launches. Kernels launched by launch_dependent must call wait_for_preceding_kernel in every block
-// before reading what the kernel ahead writes; a kernel whose blocks may all return without waiting can finish
-// before the kernel ahead of it, so later kernels must not rely on it having waited.
+// before reading what the kernel ahead writes, and before writing what it reads or writes; a kernel whose blocks may
+// all return without waiting can finish before the kernel ahead of it, so later kernels must not rely on it having
+// waited.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "common/cuda_check.h"
 
@@ -66,7 +69,9 @@ void launch_dependent(void (*kernel)(Params...), int64_t blocks, int threads, st
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = dependent_launch_allowed(kernel) ? 1 : 0;
-  GS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  const cudaError_t status = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // reported once, here, not again at the next launch check
+  GS_CUDA_CHECK(status);
 }
 
 }  // namespace

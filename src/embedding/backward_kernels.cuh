@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, kMultiTile ? kMultiTileMinBlocks : 1
                  int64_t n, int64_t dim, uint32_t sentinel, bool scale_grad_by_freq, T* __restrict__ out,
                  typename ElementTraits<T>::Acc* __restrict__ tile_partials, uint2* __restrict__ tile_pieces,
                  uint8_t* __restrict__ row_occurs, int64_t tiles_in_item, int group, Slot slot) {
-  wait_for_preceding_kernel();  // the sort (launch_dependent)
+  wait_for_preceding_kernel();  // the kernel ahead: the sort (dense), the run numbering (row-sparse)
   const int64_t item = int64_t(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
   const int64_t first_tile = item * tiles_in_item;
   const int64_t begin = first_tile * kTile;
@@ -427,7 +427,11 @@ inline void launch_make_sort_keys(const EmbeddingBackwardArgs& a, int64_t paddin
                                   uint8_t* row_occurs, DeviceErrorRecord* error, cudaStream_t stream) {
   const int n = static_cast<int>(a.num_indices);
   if (n == 0) return;
-  const int key_blocks = static_cast<int>(std::min<int64_t>((a.num_indices + kThreads - 1) / kThreads, 65535));
+  // Enough blocks for the keys and for the flags (16 a store; a table of millions of rows can come with few indices,
+  // as the small path takes few indices only where row and position fit one 32-bit key).
+  const int64_t flag_vectors = row_occurs != nullptr ? (a.num_weights + 15) / 16 : 0;
+  const int key_blocks = static_cast<int>(
+      std::min<int64_t>((std::max<int64_t>(a.num_indices, flag_vectors) + kThreads - 1) / kThreads, 65535));
   if (a.index_dtype == DType::Int32)
     make_sort_keys<int32_t><<<key_blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(a.indices), n,
                                                                  a.num_weights, padding_idx, w.keys_in, w.positions_in,

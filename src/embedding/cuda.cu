@@ -23,10 +23,10 @@ namespace graphsafe {
 namespace {
 
 // Zero-fills the rows no occurrence touches. Each warp takes 32 consecutive rows at a time, in a grid-stride loop: its
-// lanes read the 32 row flags at once, and the warp stores the untouched rows, its lanes on consecutive vectors (rows
-// of fewer than 32 vectors: the untouched rows' vectors of all 32 rows spread over the lanes). Where nearly every row
-// is touched, as at large N, the fill is then one flag load per lane; a thread group per row waited on each of its
-// rows' flags in turn.
+// lanes read the 32 row flags at once (one 32-byte access) and the warp stores the untouched rows, its lanes on
+// consecutive vectors (rows of fewer than 32 vectors: the untouched rows' vectors of all 32 rows spread over the
+// lanes). Where nearly every row is touched, as at large N, the fill is then one flag load per lane, where a loop
+// that read one row's flag after another waited on each in turn.
 constexpr int64_t kMaxZeroBlocks = 4096;
 constexpr int kWarp = 32;
 
