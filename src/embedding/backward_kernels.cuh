@@ -466,17 +466,15 @@ void reduce_sorted(const EmbeddingBackwardArgs& a, const Workspace& w, void* out
   // Each level is a dependent launch (common/dependent_launch.cuh): its blocks are scheduled while the kernel ahead
   // finishes, and every block waits for it before reading anything.
   launch_dependent(tiles_in_item > 1 ? reduce_tiles<T, VEC, Slot, true> : reduce_tiles<T, VEC, Slot, false>,
-                   items.blocks, kThreads, 0, stream, static_cast<const T*>(a.grad),
-                   static_cast<const uint32_t*>(w.keys_sorted), static_cast<const uint32_t*>(w.positions_sorted), n,
-                   a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<Acc*>(w.tile_partials), w.tile_pieces,
+                   items.blocks, kThreads, 0, stream, static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted,
+                   n, a.dim, sentinel, a.scale_grad_by_freq, result, static_cast<Acc*>(w.tile_partials), w.tile_pieces,
                    row_occurs, tiles_in_item, items.group, slot);
-  launch_dependent(reduce_tile_groups<T, VEC, Slot>, items.blocks, kThreads, 0, stream,
-                   static_cast<const uint32_t*>(w.keys_sorted), n, a.dim, sentinel, a.scale_grad_by_freq, result,
-                   static_cast<const Acc*>(w.tile_partials), static_cast<const uint2*>(w.tile_pieces),
+  launch_dependent(reduce_tile_groups<T, VEC, Slot>, items.blocks, kThreads, 0, stream, w.keys_sorted, n, a.dim,
+                   sentinel, a.scale_grad_by_freq, result, static_cast<const Acc*>(w.tile_partials), w.tile_pieces,
                    static_cast<Acc*>(w.group_partials), tiles_in_item, items.group, slot);
   const Geometry groups = geometry_for(tile_group_count(n), vectors_per_row);
   launch_dependent(reduce_long_rows<T, VEC, Slot>, groups.blocks, kThreads, 0, stream,
-                   static_cast<const uint32_t*>(w.keys_sorted), n, a.dim, sentinel, a.scale_grad_by_freq, result,
+                   w.keys_sorted, n, a.dim, sentinel, a.scale_grad_by_freq, result,
                    static_cast<const Acc*>(w.group_partials), groups.group, slot);
 }
 

@@ -62,16 +62,17 @@ void zero_untouched(const EmbeddingBackwardArgs& a, const Workspace& w, void* ou
   const int64_t warps = (a.num_weights + kWarp - 1) / kWarp;
   const int64_t blocks = std::min((warps + kThreads / kWarp - 1) / (kThreads / kWarp), kMaxZeroBlocks);
   launch_dependent(zero_untouched_rows<T, VEC>, blocks, kThreads, 0, stream, static_cast<T*>(out),
-                   static_cast<const uint8_t*>(w.row_occurs), a.num_weights, a.dim / VEC);
+                   w.row_occurs, a.num_weights, a.dim / VEC);
 }
 
 // Sorts, reduces and zero-fills the untouched rows, with 16-byte accesses when rows allow it.
 template <class T>
 void run_typed(const EmbeddingBackwardArgs& a, const Workspace& w, void* out, cudaStream_t stream) {
+  constexpr int kWide = wide_vector<T>();
   sort_by_row(a, w, stream);
   if (use_wide_vectors<T>(a, out)) {
-    reduce_sorted<T, wide_vector<T>()>(a, w, out, DenseSlot{}, w.row_occurs, stream);
-    zero_untouched<T, wide_vector<T>()>(a, w, out, stream);
+    reduce_sorted<T, kWide>(a, w, out, DenseSlot{}, w.row_occurs, stream);
+    zero_untouched<T, kWide>(a, w, out, stream);
   } else {
     reduce_sorted<T, 1>(a, w, out, DenseSlot{}, w.row_occurs, stream);
     zero_untouched<T, 1>(a, w, out, stream);

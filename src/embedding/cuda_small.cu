@@ -289,8 +289,7 @@ void launch_zero_and_reduce(const EmbeddingBackwardArgs& a, const Workspace& w, 
   using Acc = typename ElementTraits<T>::Acc;
   const Geometry tiles = geometry_for(tile_count(a.num_indices), a.dim / VEC);
   launch_dependent(zero_and_reduce_small<T, VEC>, tiles.blocks + zero_blocks, kThreads, occurs_bytes, stream,
-                   static_cast<const T*>(a.grad), static_cast<const uint32_t*>(w.keys_sorted),
-                   static_cast<const uint32_t*>(w.positions_sorted), a.num_indices, a.dim,
+                   static_cast<const T*>(a.grad), w.keys_sorted, w.positions_sorted, a.num_indices, a.dim,
                    static_cast<uint32_t>(a.num_weights), a.scale_grad_by_freq, static_cast<T*>(out),
                    static_cast<Acc*>(w.tile_partials), reinterpret_cast<uint32_t*>(w.tile_pieces), tiles.group,
                    tiles.blocks, zero);
