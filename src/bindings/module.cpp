@@ -25,6 +25,8 @@
 #include "graphsafe/optim_sparse.h"
 #include "graphsafe/types.h"
 
+#include "bindings/tensor_addresses.h"
+
 namespace nb = nanobind;
 using namespace graphsafe;
 
@@ -529,6 +531,8 @@ NB_MODULE(_C, m) {
       },
       nb::arg("device_type"), nb::arg("device_index"), nb::arg("stream"), nb::arg("codes"), nb::arg("absmax"),
       nb::arg("numel"), nb::arg("block_size"), nb::arg("signed"), nb::arg("out"));
+
+  graphsafe::bindings::register_tensor_addresses(m);
 
   m.def("take_device_error", &take_device_error, nb::arg("clear") = true,
         "Message of the error a kernel recorded, or '' (reads mapped host memory; never synchronises).");

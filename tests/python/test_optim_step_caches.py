@@ -10,8 +10,9 @@ Each way a user can change what those caches stand for is made here between step
 steps at once and on a twin that takes the per-parameter path at every step (no cache but the state check's). Both
 must then step to the same bits, or raise the same error having changed nothing; and where the change leaves the
 group in the at-once path's common case, the at-once twin must have served the step, so that its caches were used.
-Every case runs with all caches, without TensorGuards (the reads that stand in for it where torch has none), and
-without dict versions (the state entries read key by key at every step, where torch has no dict_version).
+Every case runs with all caches, without TensorGuards (the reads that stand in for it where torch has none),
+without dict versions (the state entries read key by key at every step, where torch has no dict_version), and
+without torch's address reader (the addresses read through Tensor.data_ptr, where it does not serve).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ CHANGES = {
     "last state tensor's .data reassigned": (
         lambda opt, ps, gen: _moved(opt.state[ps[3]][_written_keys(opt.state[ps[3]])[-1]]), True),
     "step's .data reassigned": (lambda opt, ps, gen: _moved(opt.state[ps[2]]["step"]), True),
+    "last state tensor moved by set_": (
+        lambda opt, ps, gen: (lambda t: t.set_(t.clone()))(opt.state[ps[1]][_written_keys(opt.state[ps[1]])[-1]]),
+        True),
     "state tensor grown by resize_": (
         lambda opt, ps, gen: opt.state[ps[1]][_written_keys(opt.state[ps[1]])[0]].resize_(4096).zero_(), None),
     "fp32 state viewed as int32 in place": (lambda opt, ps, gen: _view_unquantized_state(opt, ps, torch.int32), None),
@@ -204,7 +208,7 @@ def _assert_same_state(a, a_params, b, b_params, what):
                 assert_bitwise_equal(v, sb[k], f"{what}: param {i} state {k}")
 
 
-CACHES = ["all", "no TensorGuards", "no dict versions"]
+CACHES = ["all", "no TensorGuards", "no dict versions", "no address reader"]
 
 
 def _run(config, change, caches, monkeypatch):
@@ -215,6 +219,8 @@ def _run(config, change, caches, monkeypatch):
                         caches != "no TensorGuards" and _fast_path._TENSOR_GUARDS_SERVE)
     monkeypatch.setattr(_fast_path, "_DICT_VERSIONS_SERVE",
                         caches != "no dict versions" and _fast_path._DICT_VERSIONS_SERVE)
+    if caches == "no address reader":
+        monkeypatch.setattr(_fast_path, "_TENSOR_ADDRESS_READER", None)
     case, extra = CONFIGS[config]
     initial = make_params(SHAPES, torch.float32, make_generator(70))
     runs = []
@@ -415,6 +421,28 @@ def test_gathered_states_are_reused_until_something_they_stand_for_changes(confi
     # (a change to one parameter's states gathers its kind's alone: one of the mixed group's two)
     assert counts == [kinds, kinds, 0, 1, 0, 1, 0, kinds, kinds, 0], counts
     _assert_same_state(a, a_params, b, b_params, config)
+
+
+def test_tensor_address_reader_serves_where_torch_has_it():
+    """graphsafe checks torch's address reader (a private API) once at import; where torch has it, it must pass, or
+    the at-once path reads every state tensor's address through Tensor.data_ptr at every step again. A kind's
+    gathered states are then watched in C++, and a tensor moved behind the state dicts' back is seen there."""
+    if _fast_path._data_ptr_function is None:
+        pytest.skip("this torch has no torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr")
+    assert _fast_path._TENSOR_ADDRESS_READER is not None and _fast_path._tensor_address_reader() is not None
+    params = make_params([(40,), (40,)], torch.float32, make_generator(76))
+    opt = go.AdamW(params, lr=0.1, state_bits=8, min_8bit_size=0, block_size=32)
+    gen = make_generator(77)
+    for _ in range(2):
+        for p in params:
+            p.grad = random_grad((40,), torch.float32, gen)
+        opt.step()
+    memo = opt._checked_states[id(opt.param_groups[0])][1]
+    (gathered,) = [v for k, v in memo.items() if isinstance(k, tuple) and k[-1] is _fast_path._StatesGathered]
+    assert gathered.addresses is not None and gathered.ptrs is None
+    assert gathered.addresses.addresses == [t.data_ptr() for t in gathered.tensors] and gathered.addresses.unchanged()
+    _moved(gathered.tensors[-1])
+    assert not gathered.addresses.unchanged()
 
 
 def test_dict_versions_serve_where_torch_has_them():

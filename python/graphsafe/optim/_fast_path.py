@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .. import _C
 from ._state_storage import _UNQUANTIZED_STATE_DTYPES, _StateMap, _check_storage_options, _state_entry_count, \
     _state_keys, _storage_bits
 
@@ -27,6 +28,10 @@ try:  # a dict's version tag (PEP 509), what torch.compile's guards tell a chang
     from torch._C._dynamo.guards import dict_version as _dict_version
 except ImportError:
     _dict_version = None
+try:  # the C function compiled code reads a tensor's data_ptr() with, by its address (_tensor_address_reader)
+    from torch._C._dynamo.guards import _torchinductor_pyobject_tensor_data_ptr as _data_ptr_function
+except ImportError:
+    _data_ptr_function = None
 
 # What _prepare_group_at_once reads from every parameter, gradient and state (map calls these in C).
 _grad_of, _dtype_of, _device_of = attrgetter("grad"), attrgetter("dtype"), attrgetter("device")
@@ -71,7 +76,7 @@ class _FastPath:
             params, grads = list(compress(params, keep)), list(compress(grads, keep))
             if not grads or set(map(type, grads)) != _PLAIN_TENSOR:
                 return None
-        param_ptrs = list(map(Tensor.data_ptr, params))
+        param_ptrs = _addresses_of(params)
         seen = self._params_checked_once(group, params, param_ptrs)
         if seen is None or not _grads_fit(seen, grads):
             return None
@@ -197,19 +202,25 @@ class _StatesGathered:
     Those are the identities and addresses the state check's cache compares, so a reuse is a step that check
     skips too; they are read here as one list each (an address or a dtype per tensor, a version per dict), where
     the step otherwise reads every entry of every state dict and compares its identity. An 8-bit state is two
-    tensors (codes and absmax) where an fp32 one is one, so this saved the 8-bit steps the most. Kept in the
-    group's "_checked_states" memo, so that it is dropped with it when a step creates or converts states (it holds
-    the tensors)."""
+    tensors (codes and absmax) where an fp32 one is one, so this saved the 8-bit steps the most; the addresses are
+    compared in C++ where torch's address reader serves (_C.TensorAddresses: a function call a tensor, where
+    Tensor.data_ptr through map costs a Python call and an int), so that the 8-bit step's extra tensors cost it
+    less than the dtypes of the fp32 and bf16 states, read in Python. Kept in the group's "_checked_states" memo,
+    so that it is dropped with it when a step creates or converts states (it holds the tensors)."""
 
-    __slots__ = ("source", "versions", "names", "block_size", "state_check", "tensors", "ptrs", "unquantized",
-                 "dtype", "lists")
+    __slots__ = ("source", "versions", "names", "block_size", "state_check", "tensors", "ptrs", "addresses",
+                 "unquantized", "dtype", "lists")
 
     def __init__(self, source: tuple[Any, Any], versions: list[int], names: list[str], block_size: int, bits: int,
                  tensors: list[list[Tensor]], call: tuple, state_check: Any) -> None:
         self.source, self.versions, self.names, self.block_size = source, versions, list(names), block_size
         self.state_check = state_check
         self.tensors = list(chain.from_iterable(tensors))
-        self.ptrs = list(map(Tensor.data_ptr, self.tensors))  # (as _kind_call read them: nothing ran in between)
+        # (as _kind_call read them: nothing ran in between)
+        if _TENSOR_ADDRESS_READER is not None:
+            self.addresses, self.ptrs = _C.TensorAddresses(_TENSOR_ADDRESS_READER, self.tensors), None
+        else:
+            self.addresses, self.ptrs = None, list(map(Tensor.data_ptr, self.tensors))
         self.unquantized = None if bits == 8 else list(chain.from_iterable(tensors[:len(names)]))
         self.dtype = _UNQUANTIZED_STATE_DTYPES.get(bits)
         self.lists = call[2:]  # the state, absmax, step, numel and schedule lists, as the core call takes them
@@ -224,11 +235,12 @@ class _StatesGathered:
     def call(self, param_ptrs: list[int], grads: list[Tensor]) -> tuple | None:
         """The core call's lists with these parameter addresses and gradients, or None if a state tensor has
         moved or (fp32, bf16) changed dtype since it was gathered: the caller then gathers and checks anew."""
-        if list(map(Tensor.data_ptr, self.tensors)) != self.ptrs:
+        if not (self.addresses.unchanged() if self.addresses is not None
+                else list(map(Tensor.data_ptr, self.tensors)) == self.ptrs):
             return None
         if self.unquantized is not None and set(map(_dtype_of, self.unquantized)) - {self.dtype}:
             return None
-        return (param_ptrs, list(map(Tensor.data_ptr, grads)), *self.lists)
+        return (param_ptrs, _addresses_of(grads), *self.lists)
 
 
 def _all_on(device: torch.device, tensors: list[Tensor]) -> bool:
@@ -386,3 +398,44 @@ def _dict_versions_serve() -> bool:
 
 
 _DICT_VERSIONS_SERVE = _dict_versions_serve()
+
+
+def _tensor_address_reader() -> int | None:
+    """The address of the C function with which torch's compiled code reads Tensor.data_ptr() from a tensor's
+    Python object (a private torch API: checked once, at import, on tiny CPU tensors, rather than trusted), for
+    _C.TensorAddresses and _C.tensor_addresses to read addresses through; None where it does not serve (then
+    Tensor.data_ptr is read through map)."""
+    if type(_data_ptr_function) is not int or not hasattr(_C, "TensorAddresses"):
+        return None
+    try:
+        def zeros(n: int, dtype: torch.dtype = torch.float32) -> Tensor:  # (whatever default device was set)
+            return torch.zeros(n, dtype=dtype, device="cpu")
+
+        tensors = [zeros(4), zeros(8, torch.uint8)[3:], torch.nn.Parameter(zeros(2)), zeros(0)]
+        if _C.tensor_addresses(_data_ptr_function, tensors) != list(map(Tensor.data_ptr, tensors)):
+            return None
+        watched = _C.TensorAddresses(_data_ptr_function, tensors)
+        if watched.addresses != list(map(Tensor.data_ptr, tensors)) or not watched.unchanged():
+            return None
+        tensors[1].data = zeros(5, torch.uint8)  # moved: `.data = ...`
+        if watched.unchanged():
+            return None
+        watched = _C.TensorAddresses(_data_ptr_function, tensors)
+        tensors[0].set_(zeros(4).untyped_storage())  # moved: set_
+        return _data_ptr_function if not watched.unchanged() else None
+    except Exception:  # another signature, or anything else: not used
+        return None
+
+
+_TENSOR_ADDRESS_READER = _tensor_address_reader()
+
+
+def _addresses_of(tensors: list[Tensor]) -> list[int]:
+    """Each tensor's data_ptr(), in order: read in C++ where torch's reader serves; where it refuses a tensor (one
+    without storage), through Tensor.data_ptr, which then raises torch's own error."""
+    if _TENSOR_ADDRESS_READER is not None:
+        try:
+            return _C.tensor_addresses(_TENSOR_ADDRESS_READER, tensors)
+        except ValueError:
+            pass
+    return list(map(Tensor.data_ptr, tensors))
