@@ -4,7 +4,10 @@
 // the quotient is exact (blocks whose absmax is 1) the codes are reference_code's (the binary search over the map)
 // for every value, non-finite ones included; dequantize_codes_with gives dequantize_value's values bit for bit.
 // Blocks of every length class (whole vectors, a tail, shorter than one vector) are used, so both a loop's vector
-// part and its portable tail are covered.
+// part and its portable tail are covered. The AVX-512 loops' linear step (cpu_quantize_linear.h) defers the values
+// next to a decision point to an exact path (code_sum, or a compare with the threshold): the values at and around
+// every threshold, alone and scaled by random absmaxes, take it (the tests count the deferred lanes), and the step
+// itself is compared lane by lane.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +21,14 @@
 
 #include "optim/blockwise.h"
 #include "optim/cpu_quantize.h"
+#include "optim/cpu_quantize_linear.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 headers start their results from self-initialised "undefined" vectors, which -Wuninitialized
+// reports at each inlined intrinsic (GCC bug 105593); nothing here reads an uninitialised value.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 using namespace graphsafe;
 using namespace graphsafe::optim_detail;
@@ -107,6 +118,72 @@ void add_neighbours(std::vector<float>& out, float v, int ulps) {
   }
 }
 
+// Every float within `ulps` of each threshold (the smallest float of each code but the first), both signs.
+std::vector<float> around_thresholds(bool is_signed, int ulps) {
+  const QuantizationMap& map = host_quantization_map(is_signed);
+  std::vector<float> values;
+  for (int c = 0; c < 255; ++c) add_neighbours(values, code_threshold(map.value, is_signed, c), ulps);
+  for (float& v : values) v = std::fabs(v) > 1.0f ? std::copysign(1.0f, v) : v;
+  return values;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GS_TEST_LINEAR_STEP 1
+
+// The linear step on values (whole vectors of 16) as normalised values: the lanes it defers, and those it does not
+// defer whose code is not reference_code's (NaN: the code of 0), with the magnitudes of linear_magnitude.
+__attribute__((target("avx512f"))) void linear_step_lanes(bool is_signed, const std::vector<float>& values,
+                                                          long long* deferred, long long* wrong) {
+  const QuantizationMap& map = host_quantization_map(is_signed);
+  const LinearRegisters t = load_linear_registers(is_signed);
+  for (std::size_t i = 0; i + 16 <= values.size(); i += 16) {
+    const __m512 x = _mm512_loadu_ps(values.data() + i);
+    __mmask16 lanes;
+    alignas(64) uint32_t bits[16];
+    _mm512_store_si512(bits, is_signed ? linear_code_bits<true>(t, x, linear_magnitude<true>(t, x), &lanes)
+                                       : linear_code_bits<false>(t, x, linear_magnitude<false>(t, x), &lanes));
+    for (int l = 0; l < 16; ++l) {
+      const float v = values[i + l];
+      const int reference = v == v ? reference_code(map.value, is_signed, v) : zero_code(is_signed);
+      if (lanes >> l & 1) ++*deferred;
+      else if (static_cast<int>(bits[l] >> kLinearFractionBits & 0xff) != reference && (*wrong)++ < 3)
+        ADD_FAILURE() << (is_signed ? "signed" : "unsigned") << " map, linear step: code "
+                      << (bits[l] >> kLinearFractionBits & 0xff) << " for " << v << " (bits " << std::hex
+                      << float_bits(v) << std::dec << "), reference " << reference;
+    }
+  }
+}
+
+// The same with linear_magnitude_range (the signed map; AVX512DQ): its lanes that differ from linear_magnitude's.
+__attribute__((target("avx512f,avx512dq"))) long long range_step_differences(const std::vector<float>& values) {
+  const LinearRegisters t = load_linear_registers(true);
+  long long differ = 0;
+  for (std::size_t i = 0; i + 16 <= values.size(); i += 16) {
+    const __m512 x = _mm512_loadu_ps(values.data() + i);
+    __mmask16 plain, range;
+    const __m512i a = linear_code_bits<true>(t, x, linear_magnitude<true>(t, x), &plain);
+    const __m512i b = linear_code_bits<true>(t, x, linear_magnitude_range(t, x), &range);
+    differ += plain != range || _mm512_cmpneq_epi32_mask(a, b) != 0;
+  }
+  return differ;
+}
+#else
+#define GS_TEST_LINEAR_STEP 0
+#endif
+
+// The lanes of the linear step that values send to the exact path (0 where the CPU has no AVX-512).
+long long deferred_lanes(bool is_signed, std::vector<float> values) {
+  long long deferred = 0, wrong = 0;
+#if GS_TEST_LINEAR_STEP
+  values.resize(values.size() & ~std::size_t(15));
+  if (quantize_loops_available(QuantizeLoops::Avx512)) linear_step_lanes(is_signed, values, &deferred, &wrong);
+#else
+  (void)is_signed;
+  (void)values;
+#endif
+  return deferred;
+}
+
 TEST(QuantizationSimd, TheLoopsInUseRunHereAndThePortableOnesAlways) {
   EXPECT_TRUE(quantize_loops_available(quantize_loops_in_use()));
   EXPECT_TRUE(quantize_loops_available(QuantizeLoops::Portable));
@@ -183,6 +260,80 @@ TEST(QuantizationSimd, BlocksOfEveryScaleWithNonFiniteValuesEqualQuantizeBlock) 
     }
     // The same blocks, cut at the same lengths (kLengths in turn), through every instruction set.
     EXPECT_EQ(quantize_mismatches(values, is_signed, false, "random blocks"), 0);
+  }
+}
+
+TEST(QuantizationSimd, TheLinearStepGivesTheReferenceCodeWhereItDoesNotDefer) {
+  // Lane by lane (tools/quantizer_simd_all_floats.cpp does all 2^32 floats): every 61st bit pattern of either sign,
+  // the values around every threshold, and quiet NaNs of both signs. Signalling NaNs are left out: the step's x comes
+  // from an fma, which never makes one.
+#if GS_TEST_LINEAR_STEP
+  if (!quantize_loops_available(QuantizeLoops::Avx512)) GTEST_SKIP() << "no AVX-512 here";
+  for (bool is_signed : {false, true}) {
+    std::vector<float> values = around_thresholds(is_signed, 16);
+    for (uint32_t u = 0; u < 0x7f800000u; u += 61) {
+      values.push_back(bits_float(u));
+      values.push_back(bits_float(u | 0x80000000u));
+    }
+    for (uint32_t u : {0x7f800000u, 0x7fc00000u, 0x7fc12345u, 0x7fffffffu}) {
+      values.push_back(bits_float(u));
+      values.push_back(bits_float(u | 0x80000000u));
+    }
+    long long deferred = 0, wrong = 0;
+    linear_step_lanes(is_signed, values, &deferred, &wrong);
+    EXPECT_EQ(wrong, 0);
+    EXPECT_GT(deferred, 0);
+    if (is_signed && __builtin_cpu_supports("avx512dq")) {
+      EXPECT_EQ(range_step_differences(values), 0);
+    }
+  }
+#else
+  GTEST_SKIP() << "no x86-64 intrinsics here";
+#endif
+}
+
+TEST(QuantizationSimd, CodesEqualTheReferenceAtAndAroundEveryThreshold) {
+  // Each threshold and its neighbours (the lanes the AVX-512 step defers, in blocks with other values), in blocks
+  // whose absmax is 1.
+  for (bool is_signed : {false, true}) {
+    std::vector<float> values = around_thresholds(is_signed, 6);
+    std::mt19937 rng(is_signed ? 3 : 4);
+    std::shuffle(values.begin(), values.end(), rng);
+    const long long deferred = deferred_lanes(is_signed, values);
+    if (quantize_loops_available(QuantizeLoops::Avx512) && GS_TEST_LINEAR_STEP) {
+      EXPECT_GT(deferred, 500);
+    }
+    EXPECT_EQ(quantize_mismatches(values, is_signed, true, "thresholds"), 0);
+  }
+}
+
+TEST(QuantizationSimd, ThresholdsScaledByRandomAbsmaxesEqualQuantizeBlock) {
+  // Blocks of thresholds (and their neighbours) times a random absmax, normal and subnormal, led by ±absmax: the
+  // quotients lie at or next to the decision points, so many lanes take the exact path of the vectors around them.
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> ulps(-3, 3), decade(-44, 37);
+  std::uniform_real_distribution<float> mantissa(1.0f, 10.0f);
+  for (bool is_signed : {false, true}) {
+    const QuantizationMap& map = host_quantization_map(is_signed);
+    std::uniform_int_distribution<int> code(0, 254);
+    std::vector<float> values, quotients;
+    for (int block = 0; block < 420; ++block) {
+      float absmax = mantissa(rng) * std::pow(10.0f, float(decade(rng)));
+      if (!(absmax > 0.0f) || !std::isfinite(absmax)) absmax = 1.0f;
+      const BlockScale scale = block_scale(absmax);
+      const int n = kLengths[block % (sizeof(kLengths) / sizeof(kLengths[0]))];  // as quantize_mismatches cuts them
+      for (int i = 0; i < n; ++i) {
+        float v = block % 2 == 0 ? absmax : -absmax;
+        if (i > 0) v = bits_float(float_bits(code_threshold(map.value, is_signed, code(rng)) * absmax) + ulps(rng));
+        if (!(std::fabs(v) <= absmax)) v = std::copysign(absmax, v);  // (a step past ±0 is a NaN: absmax then)
+        values.push_back(v);
+        quotients.push_back((v * scale.prescale) * scale.inverse);
+      }
+    }
+    if (quantize_loops_available(QuantizeLoops::Avx512) && GS_TEST_LINEAR_STEP) {
+      EXPECT_GT(deferred_lanes(is_signed, quotients), 500);
+    }
+    EXPECT_EQ(quantize_mismatches(values, is_signed, false, "scaled thresholds"), 0);
   }
 }
 
