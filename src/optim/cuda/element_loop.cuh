@@ -21,7 +21,7 @@ template <int Bits>
 using StateType = std::conditional_t<Bits == 16, bf16_t, float>;
 
 template <class S, class Table>
-__device__ S* unquantized_state(const Table& table, int j, int t) { return static_cast<S*>(table.state[j][t]); }
+__device__ S* unquantized_state(const Table& table, int j, int t) { return static_cast<S*>(table.tensor[t].state[j]); }
 
 // The kVector elements at `base` of one tensor: grad, param and the States states (fp32 or bf16, S) as loaded,
 // in registers (raw: an element that is not updated is stored back with its own bits).
@@ -34,8 +34,8 @@ struct Packet {
 template <class T, class S, int States, class Table>
 __device__ void load_packet(const Table& table, int tensor, int64_t base, Packet<T, S, States>& x) {
   constexpr int kVec = ChunkPolicy::kVector;
-  x.g = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.grad[tensor]) + base));
-  x.p = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.param[tensor]) + base));
+  x.g = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.tensor[tensor].grad) + base));
+  x.p = load_streaming(reinterpret_cast<const Pack<T, kVec>*>(static_cast<const T*>(table.tensor[tensor].param) + base));
 #pragma unroll
   for (int j = 0; j < States; ++j)
     x.s[j] = load_streaming(reinterpret_cast<const Pack<S, kVec>*>(unquantized_state<S>(table, j, tensor) + base));
@@ -60,7 +60,7 @@ __device__ void update_packet(const Table& table, int tensor, int64_t base, Pack
     }
   }
   if (!changed) return;
-  store_streaming(reinterpret_cast<Pack<T, kVec>*>(static_cast<T*>(table.param[tensor]) + base), x.p);
+  store_streaming(reinterpret_cast<Pack<T, kVec>*>(static_cast<T*>(table.tensor[tensor].param) + base), x.p);
 #pragma unroll
   for (int j = 0; j < States; ++j)
     store_streaming(reinterpret_cast<Pack<S, kVec>*>(unquantized_state<S>(table, j, tensor) + base), x.s[j]);
@@ -72,8 +72,8 @@ __device__ void update_packet(const Table& table, int tensor, int64_t base, Pack
 template <class T, class S, int States, class Body, class Table>
 __device__ void for_each_element(const Table& table, const BlockWork& w, Body body) {
   constexpr int kThreads = ChunkPolicy::kThreads, kVec = ChunkPolicy::kVector;
-  T* param = static_cast<T*>(table.param[w.tensor]);
-  const T* grad = static_cast<const T*>(table.grad[w.tensor]);
+  T* param = static_cast<T*>(table.tensor[w.tensor].param);
+  const T* grad = static_cast<const T*>(table.tensor[w.tensor].grad);
   bool wide = aligned(param, sizeof(T) * kVec) && aligned(grad, sizeof(T) * kVec);
 #pragma unroll
   for (int j = 0; j < States; ++j) wide = wide && aligned(unquantized_state<S>(table, j, w.tensor), sizeof(S) * kVec);

@@ -30,9 +30,29 @@ namespace {
 
 using namespace optim_detail;
 
+// What every chunk of a tensor reads besides its first block: its data pointers and element count, side by side, so
+// that a chunk reads one to three lines of the constant cache. (Kept as one array per field, the fields of a tensor
+// lay a table's length apart, and at some lengths they shared the cache's sets: with 65 tensors a table, arrays
+// 520 bytes apart, bf16 AdamW's update ran 8% slower than with 58.) With 8-bit states also the scales.
+template <int StateSlots, bool Scales>
+struct TensorPointers {
+  void* param;
+  const void* grad;
+  void* state[StateSlots];  // fp32 or bf16 states, or with 8-bit states their codes (uint8)
+  int64_t numel;
+};
+template <int StateSlots>
+struct TensorPointers<StateSlots, true> {
+  void* param;
+  const void* grad;
+  void* state[StateSlots];
+  int64_t numel;
+  float* absmax[StateSlots];  // one scale per quantisation block
+};
+
 // One launch's tensors: per tensor the pointers its kernels read, with slots for the States states only (and
 // their 8-bit scales only with Bits 8), so that a launch takes as many tensors as fit in the argument bytes
-// (76 for SGD with momentum or RMSprop, 65 for Adam(W) and 8-bit SGD or Lion, 52 for 8-bit Adam(W)): a step of many
+// (76 for SGD with momentum or RMSprop, 66 for Adam(W) and 8-bit SGD or Lion, 52 for 8-bit Adam(W)): a step of many
 // small tensors is bound by the host, and every launch costs it a few microseconds. (So a tensor's chunk index
 // across the step is worked out from one header field, first_chunk, rather than kept per tensor.)
 template <int States, int Bits>
@@ -40,9 +60,8 @@ struct TensorTable {
   static constexpr int kStateSlots = States > 0 ? States : 1;
   static constexpr int kScaleSlots = Bits == 8 ? kStateSlots : 0;
   static constexpr int kHeaderBytes = 24, kBytesPerTensor = 8 * (5 + kStateSlots + kScaleSlots) + 4;
-  // Besides the tensors: the header, first_block's last entry, the unused scale slot without 8-bit states, and
-  // up to 4 bytes of padding after factor_index.
-  static constexpr int kCapacity = (LaunchTablePolicy::kArgumentBytes - kHeaderBytes - 8 - 8 - 4) / kBytesPerTensor;
+  // Besides the tensors: the header, first_block's last entry and up to 4 bytes of padding after factor_index.
+  static constexpr int kCapacity = (LaunchTablePolicy::kArgumentBytes - kHeaderBytes - 8 - 4) / kBytesPerTensor;
   int count;
   // With a finish counter (OptimStepArgs::finish_counter) the steps are read as they were before this step
   // and 1 is added on reading (step_increment); the update's last block to finish writes step + 1 for all.
@@ -51,26 +70,27 @@ struct TensorTable {
   // The step's index of this launch's first chunk (layer-wise partials): tensor i's first chunk across the whole
   // step is first_chunk + first_block[i], the launch's blocks being its chunks in the step's order.
   int64_t first_chunk;
-  void* param[kCapacity];
-  const void* grad[kCapacity];
-  void* state[kStateSlots][kCapacity];  // fp32 or bf16 states, or with 8-bit states their codes (uint8)
-  // 8-bit states: one scale per quantisation block (one unused slot otherwise)
-  float* absmax[kScaleSlots > 0 ? kScaleSlots : 1][kScaleSlots > 0 ? kCapacity : 1];
+  TensorPointers<kStateSlots, Bits == 8> tensor[kCapacity];
   float* step[kCapacity];
-  int64_t numel[kCapacity];
   int64_t first_block[kCapacity + 1];  // blocks of this launch, one per chunk
   int factor_index[kCapacity];         // tensor index across the whole step (layer-wise factors, schedules)
 };
 static_assert(LaunchTablePolicy::kArgumentBytes != 4000 ||
-                  (TensorTable<1, 32>::kCapacity == 76 && TensorTable<2, 32>::kCapacity == 65 &&
-                   TensorTable<1, 8>::kCapacity == 65 && TensorTable<2, 8>::kCapacity == 52),
+                  (TensorTable<1, 32>::kCapacity == 76 && TensorTable<2, 32>::kCapacity == 66 &&
+                   TensorTable<1, 8>::kCapacity == 66 && TensorTable<2, 8>::kCapacity == 52),
               "the capacities the comment above names");
 
+// The table's last tensor whose first block is at most `block`: a binary search (first_block never decreases), as
+// a step of many tensors has up to kCapacity of them in a launch and every chunk looks its tensor up.
 template <class Table>
 __device__ int tensor_of_block(const Table& table, int64_t block) {
-  int t = 0;
-  while (t + 1 < table.count && table.first_block[t + 1] <= block) ++t;
-  return t;
+  int low = 0, high = table.count - 1;
+  while (low < high) {
+    const int middle = (low + high + 1) / 2;
+    if (table.first_block[middle] <= block) low = middle;
+    else high = middle - 1;
+  }
+  return low;
 }
 
 // The block's tensor and chunk, and the step's coefficients for that tensor (computed once per block).
@@ -84,7 +104,7 @@ __device__ BlockWork block_work(const Table& table, int64_t block) {
   const int t = tensor_of_block(table, block);
   const int64_t chunk = block - table.first_block[t];
   const int64_t begin = chunk * kChunkElements;
-  return {t, begin, min(begin + kChunkElements, table.numel[t])};
+  return {t, begin, min(begin + kChunkElements, table.tensor[t].numel)};
 }
 
 // Tensor t's step number for this step's coefficients.
@@ -213,18 +233,18 @@ void for_each_table(const OptimStepArgs& a, const OptimTensor* tensors, int coun
     const OptimTensor& x = tensors[t];
     if (x.numel == 0) continue;  // no update: its step is counted ahead (optim_step_cuda)
     const int i = table.count++;
-    table.param[i] = x.param;
-    table.grad[i] = x.grad;
+    table.tensor[i].param = x.param;
+    table.tensor[i].grad = x.grad;
     for (int j = 0; j < States; ++j) {
       if constexpr (Bits == 8) {
-        table.state[j][i] = x.codes[j];
-        table.absmax[j][i] = x.absmax[j];
+        table.tensor[i].state[j] = x.codes[j];
+        table.tensor[i].absmax[j] = x.absmax[j];
       } else {
-        table.state[j][i] = x.state[j];
+        table.tensor[i].state[j] = x.state[j];
       }
     }
     table.step[i] = x.step;
-    table.numel[i] = x.numel;
+    table.tensor[i].numel = x.numel;
     table.first_block[i] = blocks;
     table.factor_index[i] = t;
     blocks += chunk_count(x.numel);

@@ -43,10 +43,10 @@ __device__ void prefetch_chunk(const Table& table, int64_t block, int64_t total_
   if (block >= total_blocks) return;
   const BlockWork w = block_work(table, block);
   const int64_t n = w.end - w.begin;
-  prefetch_to_l2(static_cast<const T*>(table.grad[w.tensor]) + w.begin, n * int64_t(sizeof(T)));
-  prefetch_to_l2(static_cast<const T*>(table.param[w.tensor]) + w.begin, n * int64_t(sizeof(T)));
+  prefetch_to_l2(static_cast<const T*>(table.tensor[w.tensor].grad) + w.begin, n * int64_t(sizeof(T)));
+  prefetch_to_l2(static_cast<const T*>(table.tensor[w.tensor].param) + w.begin, n * int64_t(sizeof(T)));
 #pragma unroll
-  for (int j = 0; j < States; ++j) prefetch_to_l2(static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin, n);
+  for (int j = 0; j < States; ++j) prefetch_to_l2(static_cast<const uint8_t*>(table.tensor[w.tensor].state[j]) + w.begin, n);
 }
 
 // Element-wise algorithm A with 8-bit states, States of them, parameters of type T, Math's roots and quotients.

@@ -144,12 +144,12 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
                                            int block_size, const SharedMaps* maps, Body body) {
   constexpr int V = Writes ? QuantizedLoopPolicy::kWritingVector : QuantizedLoopPolicy::kMeasuringVector;
   __shared__ float exchange[States + 1][QuantizedLoopPolicy::kMaxWarps];
-  T* param = static_cast<T*>(table.param[w.tensor]);
-  const T* grad = static_cast<const T*>(table.grad[w.tensor]);
+  T* param = static_cast<T*>(table.tensor[w.tensor].param);
+  const T* grad = static_cast<const T*>(table.tensor[w.tensor].grad);
   const bool wide = pack_aligned<T, V>(param) && pack_aligned<T, V>(grad);
   bool wide_codes = true;
 #pragma unroll
-  for (int j = 0; j < States; ++j) wide_codes = wide_codes && pack_aligned<uint8_t, V>(static_cast<uint8_t*>(table.state[j][w.tensor]));
+  for (int j = 0; j < States; ++j) wide_codes = wide_codes && pack_aligned<uint8_t, V>(static_cast<uint8_t*>(table.tensor[w.tensor].state[j]));
   const int group = block_size / V;
   const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
   for (int64_t pass = w.begin; pass < w.end; pass += Threads * V) {
@@ -182,8 +182,8 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
 #pragma unroll
     for (int j = 0; j < States; ++j) {
       const float* map = maps->value(state_is_signed(o, j));
-      const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]);
-      if (base < w.end) scale[j] = table.absmax[j][w.tensor][quant_block];
+      const uint8_t* codes = static_cast<const uint8_t*>(table.tensor[w.tensor].state[j]);
+      if (base < w.end) scale[j] = table.tensor[w.tensor].absmax[j][quant_block];
       Pack<uint8_t, V> c{};
       if (full && wide_codes) {
         c = load_pack<uint8_t, V>(codes + base);
@@ -215,7 +215,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
 #pragma unroll
       for (int j = 0; j < States; ++j) {
         const Requantizer q(o, maps, j, reduced[1 + j]);
-        uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]);
+        uint8_t* codes = static_cast<uint8_t*>(table.tensor[w.tensor].state[j]);
         const Pack<uint8_t, V> c = q.codes<V>(s, 0);
         if (full && wide_codes) {
           store_pack<uint8_t, V>(codes + base, c);
@@ -223,7 +223,7 @@ __device__ void for_each_quantized_element(const OptimOptions& o, const Table& t
 #pragma unroll
           for (int e = 0; e < V; ++e) if (valid[e]) codes[base + e] = c.v[e];
         }
-        if ((base & (block_size - 1)) == 0) table.absmax[j][w.tensor][quant_block] = q.absmax;
+        if ((base & (block_size - 1)) == 0) table.tensor[w.tensor].absmax[j][quant_block] = q.absmax;
       }
     }
   }
@@ -249,8 +249,8 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
   __shared__ float exchange[States + 1][QuantizedLoopPolicy::kMaxWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps_per_block = block_size / kWarpElements;
   const int block_shift = __ffs(block_size) - 1;  // block_size is a power of two: no 64-bit division per pass
-  T* param = static_cast<T*>(table.param[w.tensor]) + w.begin;
-  const T* grad = static_cast<const T*>(table.grad[w.tensor]) + w.begin;
+  T* param = static_cast<T*>(table.tensor[w.tensor].param) + w.begin;
+  const T* grad = static_cast<const T*>(table.tensor[w.tensor].grad) + w.begin;
   for (int pass = 0; pass < int(kChunkElements); pass += Threads * V) {
     const int warp_first = pass + warp * kWarpElements, first = warp_first + lane * kPiece;  // piece k at first + k * kPieceStride
     const int64_t quant_block = (w.begin + warp_first) >> block_shift;
@@ -269,8 +269,8 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
 #pragma unroll
     for (int j = 0; j < States; ++j) {
       const float* map = maps->value(state_is_signed(o, j));
-      const uint8_t* codes = static_cast<const uint8_t*>(table.state[j][w.tensor]) + w.begin;
-      const float scale = table.absmax[j][w.tensor][quant_block];
+      const uint8_t* codes = static_cast<const uint8_t*>(table.tensor[w.tensor].state[j]) + w.begin;
+      const float scale = table.tensor[w.tensor].absmax[j][quant_block];
 #pragma unroll
       for (int k = 0; k < kPieces; ++k) {
         const Pack<uint8_t, kPiece> c = load_streaming(reinterpret_cast<const Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride));
@@ -307,13 +307,13 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
 #pragma unroll
       for (int j = 0; j < States; ++j) {
         const Requantizer q(o, maps, j, reduced[1 + j]);
-        uint8_t* codes = static_cast<uint8_t*>(table.state[j][w.tensor]) + w.begin;
+        uint8_t* codes = static_cast<uint8_t*>(table.tensor[w.tensor].state[j]) + w.begin;
 #pragma unroll
         for (int k = 0; k < kPieces; ++k)
           store_streaming(reinterpret_cast<Pack<uint8_t, kPiece>*>(codes + first + k * kPieceStride),
                           q.codes<kPiece>(s, k * kPiece));
         // warps_per_block is a power of two: a mask, not the integer division (about 25 instructions) of `%`.
-        if (lane == 0 && (warp & (warps_per_block - 1)) == 0) table.absmax[j][w.tensor][quant_block] = q.absmax;
+        if (lane == 0 && (warp & (warps_per_block - 1)) == 0) table.tensor[w.tensor].absmax[j][quant_block] = q.absmax;
       }
     }
   }
@@ -323,9 +323,9 @@ __device__ void for_each_quantized_element_of_whole_chunk(const OptimOptions& o,
 template <class T, int States, class Table>
 __device__ bool whole_chunk_path(const Table& table, const BlockWork& w, int block_size) {
   if (w.end - w.begin != kChunkElements || block_size % QuantizedLoopPolicy::kWarpElements != 0) return false;
-  bool ok = aligned(table.param[w.tensor], 16) && aligned(table.grad[w.tensor], 16);
+  bool ok = aligned(table.tensor[w.tensor].param, 16) && aligned(table.tensor[w.tensor].grad, 16);
 #pragma unroll
-  for (int j = 0; j < States; ++j) ok = ok && aligned(table.state[j][w.tensor], 16 / sizeof(T));
+  for (int j = 0; j < States; ++j) ok = ok && aligned(table.tensor[w.tensor].state[j], 16 / sizeof(T));
   return ok;
 }
 

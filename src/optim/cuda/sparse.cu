@@ -103,9 +103,11 @@ __device__ void share_sparse_coefficients(const OptimOptions& o, float rate, con
 // load_packet / update_packet's view of one packet: element e of the table and its states, and its gradient at
 // entry i of row_grads (the packet's slot of the list).
 struct PacketView {
-  void* param[1];
-  const void* grad[1];
-  void* state[kMaxOptimStates][1];
+  struct {
+    void* param;
+    const void* grad;
+    void* state[kMaxOptimStates];
+  } tensor[1];
 };
 
 // fp32 (Bits 32) or bf16 (Bits 16) states: elementwise_step as the dense kernel (elementwise.cu) runs it, on the
@@ -135,9 +137,11 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t per_row = d / kVec;
     for (int64_t q = first; q < used * per_row; q += stride) {
       const int64_t slot = q / per_row, column = (q - slot * per_row) * kVec, e = r.rows[slot] * d + column;
-      PacketView view{{param + e}, {row_grads + slot * d + column}, {}};
+      PacketView view{};
+      view.tensor[0].param = param + e;
+      view.tensor[0].grad = row_grads + slot * d + column;
 #pragma unroll
-      for (int j = 0; j < States; ++j) view.state[j][0] = static_cast<S*>(t.state[j]) + e;
+      for (int j = 0; j < States; ++j) view.tensor[0].state[j] = static_cast<S*>(t.state[j]) + e;
       Packet<T, S, States> x;
       load_packet(view, 0, 0, x);
       update_packet(view, 0, 0, x, body);
