@@ -80,17 +80,11 @@ static_assert(LaunchTablePolicy::kArgumentBytes != 4000 ||
                    TensorTable<1, 8>::kCapacity == 66 && TensorTable<2, 8>::kCapacity == 52),
               "the capacities the comment above names");
 
-// The table's last tensor whose first block is at most `block`: a binary search (first_block never decreases), as
-// a step of many tensors has up to kCapacity of them in a launch and every chunk looks its tensor up.
 template <class Table>
 __device__ int tensor_of_block(const Table& table, int64_t block) {
-  int low = 0, high = table.count - 1;
-  while (low < high) {
-    const int middle = (low + high + 1) / 2;
-    if (table.first_block[middle] <= block) low = middle;
-    else high = middle - 1;
-  }
-  return low;
+  int t = 0;
+  while (t + 1 < table.count && table.first_block[t + 1] <= block) ++t;
+  return t;
 }
 
 // The block's tensor and chunk, and the step's coefficients for that tensor (computed once per block).
