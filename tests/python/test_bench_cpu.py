@@ -34,3 +34,16 @@ def test_quick_sizes_leave_the_targets_unjudged(quick_run):
     verdicts = [r["status"] for r in records if r.get("record") == "target"]
     assert verdicts and set(verdicts) == {"SKIP"}
     assert "graphsafe 8-bit" in stdout and "index_add" in stdout
+
+
+def test_methods_are_timed_in_turn_each_round_starting_one_further():
+    from graphsafe.bench.timing import TimerConfig, time_in_turn
+
+    calls = []
+    fns = [lambda name=name: calls.append(name) for name in "abc"]
+    timings = time_in_turn(fns, TimerConfig(warmup=1, repeats=4))
+    assert calls[:3] == list("abc")  # the warm-up round
+    rounds = [calls[3 + 3 * r: 6 + 3 * r] for r in range(4)]
+    assert rounds == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert [t.repeats for t in timings] == [4, 4, 4]
+    assert all(0 <= t.ms_min <= t.ms_median for t in timings)

@@ -5,7 +5,9 @@
 - embedding backward: graphsafe.ops.embedding_backward, aten.embedding_dense_backward and
   zeros(V, D).index_add_(0, idx, grad) on three cases.
 
-Times are host-clock medians of whole calls (the CPU backend runs on the calling thread and OpenMP's threads).
+Times are host-clock medians of whole calls (the CPU backend runs on the calling thread and OpenMP's threads), the
+methods of a case timed in turn, round by round (timing.time_in_turn), so that a slow stretch of a shared host falls
+on all of them alike; at full size at least MIN_ROUNDS rounds, more with --repeats.
 Targets: graphsafe's 32-bit step at least torch fused's speed on each optimizer row, its 8-bit step within 2x of its
 32-bit step, and the embedding backward at least aten's speed; they apply to full sizes on the CPU.
 """
@@ -23,7 +25,7 @@ from .harness import BenchContext, Suite, Target, register_suite
 from .indices import TableCase
 from .optim_cases import fmt_count
 from .report import first_line, fmt_ms, markdown_table
-from .timing import time_function
+from .timing import TimerConfig, time_in_turn
 
 QUICK_DIVISOR = 64
 OPTIMIZERS = {"AdamW": dict(lr=1e-3, weight_decay=1e-2), "SGD": dict(lr=1e-3, momentum=0.9),
@@ -31,6 +33,7 @@ OPTIMIZERS = {"AdamW": dict(lr=1e-3, weight_decay=1e-2), "SGD": dict(lr=1e-3, mo
 OPTIMIZER_METHODS = ("torch fused", "graphsafe 32-bit", "graphsafe 8-bit")
 EMBEDDING_METHODS = ("graphsafe", "aten", "index_add")
 EIGHT_BIT_LIMIT = 2.0  # the 8-bit step's time at most this many times the 32-bit step's
+MIN_ROUNDS = 31  # at full size: a shared host needs many rounds, and a round takes under a second here
 
 
 @dataclass(frozen=True)
@@ -80,14 +83,28 @@ def _embedding_backward(method: str, case: TableCase, grad: torch.Tensor, indice
     return lambda: torch.zeros((v, grad.shape[-1]), dtype=grad.dtype).index_add_(0, indices, grad)
 
 
-def _measure(ctx: BenchContext, record: dict, fn) -> dict:
+def _measure_in_turn(ctx: BenchContext, records: list[dict], makers: list) -> list[dict]:
+    """Times one case's methods in turn (timing.time_in_turn), at least MIN_ROUNDS rounds. `makers` build each
+    method's call; a method whose making or first call fails gets its error in its record, the others are timed."""
+    calls = []
+    for record, make in zip(records, makers):
+        try:
+            call = make()
+            call()
+            calls.append((record, call))
+        except (RuntimeError, ValueError, MemoryError) as error:
+            record["error"] = first_line(error)
+    config = TimerConfig(warmup=ctx.timer.warmup, repeats=max(ctx.timer.repeats, 1 if ctx.quick else MIN_ROUNDS))
     try:
-        timing = time_function(fn, [()], ctx.device, ctx.timer)
-        record.update(ms_median=timing.ms_median, ms_min=timing.ms_min, repeats=timing.repeats)
-    except (RuntimeError, ValueError, MemoryError) as error:
-        record["error"] = first_line(error)
-    ctx.emit(record)
-    return record
+        timings = time_in_turn([call for _, call in calls], config) if calls else []
+        for (record, _), timing in zip(calls, timings):
+            record.update(ms_median=timing.ms_median, ms_min=timing.ms_min, repeats=timing.repeats)
+    except (RuntimeError, ValueError, MemoryError) as error:  # a later call failed: no method's time stands
+        for record, _ in calls:
+            record["error"] = first_line(error)
+    for record in records:
+        ctx.emit(record)
+    return records
 
 
 def run(ctx: BenchContext) -> list[dict]:
@@ -95,17 +112,18 @@ def run(ctx: BenchContext) -> list[dict]:
         return []  # (a CPU suite: `graphsafe bench --suite cpu --device cpu`)
     records = []
     for case in optimizer_cases(ctx.quick):
-        for method in OPTIMIZER_METHODS:
-            generator = torch.Generator().manual_seed(ctx.seed)
-            record = dict(record="measurement", suite="cpu", kind="optimizer", case=case.name, method=method,
-                          algorithm=case.algorithm, total=case.total, tensors=case.tensors)
-            records.append(_measure(ctx, record, _optimizer_step(method, case, generator)))
+        case_records = [dict(record="measurement", suite="cpu", kind="optimizer", case=case.name, method=method,
+                             algorithm=case.algorithm, total=case.total, tensors=case.tensors)
+                        for method in OPTIMIZER_METHODS]
+        makers = [lambda m=method: _optimizer_step(m, case, torch.Generator().manual_seed(ctx.seed))
+                  for method in OPTIMIZER_METHODS]
+        records += _measure_in_turn(ctx, case_records, makers)
     for case in embedding_cases(ctx.quick):
         indices, grad = case.indices(ctx.seed), case.grad(torch.Generator().manual_seed(ctx.seed))
-        for method in EMBEDDING_METHODS:
-            record = dict(record="measurement", suite="cpu", kind="embedding", case=case.name, method=method,
-                          **case.fields())
-            records.append(_measure(ctx, record, _embedding_backward(method, case, grad, indices)))
+        case_records = [dict(record="measurement", suite="cpu", kind="embedding", case=case.name, method=method,
+                             **case.fields()) for method in EMBEDDING_METHODS]
+        makers = [lambda m=method: _embedding_backward(m, case, grad, indices) for method in EMBEDDING_METHODS]
+        records += _measure_in_turn(ctx, case_records, makers)
     return records
 
 
@@ -146,7 +164,9 @@ def render(records: list[dict], ctx: BenchContext) -> str:
         ratio = f"{base_ms / r['ms_median']:.2f}" if base_ms and r.get("ms_median") else "-"
         rows.append([r["case"], r["method"], fmt_ms(r.get("ms_median")), fmt_ms(r.get("ms_min")), ratio,
                      r.get("error", "")])
-    return markdown_table(["case", "method", "ms median", "ms min", "x vs torch fused / aten", "error"], rows)
+    rounds = max((r.get("repeats", 0) for r in records), default=0)
+    return (f"The methods of each case timed in turn, {rounds} rounds (medians and minima per method).\n\n"
+            + markdown_table(["case", "method", "ms median", "ms min", "x vs torch fused / aten", "error"], rows))
 
 
 register_suite(Suite("cpu", "the CPU backend: optimizer steps and embedding backward vs PyTorch's CPU kernels", run,

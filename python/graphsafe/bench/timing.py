@@ -106,6 +106,25 @@ def _time_host(fn: Callable[..., object], input_sets: Sequence[tuple], config: T
     return samples
 
 
+def time_in_turn(fns: Sequence[Callable[[], object]], config: TimerConfig) -> list[Timing]:
+    """Host-clock timings of several calls timed in turn: each round calls every fn once, the first one of a round
+    moving on by one each round. Methods compared side by side on a shared host (the CPU suite) then see the same
+    drift of the machine, and each call finds the caches as the others leave them, as a training step finds them
+    after the forward and backward passes; timing one method's repeats in a row lets slow minutes of the host fall
+    on one method only."""
+    for _ in range(config.warmup):
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for round_ in range(config.repeats):
+        for k in range(len(fns)):
+            i = (round_ + k) % len(fns)
+            begin = time.perf_counter()
+            fns[i]()
+            samples[i].append((time.perf_counter() - begin) * 1e3)
+    return [Timing(ms_median=statistics.median(s), ms_min=min(s), repeats=len(s)) for s in samples]
+
+
 def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 200, runs: int = 7) -> float:
     """The host time of one call of fn, in µs: the fastest of `runs` runs of `calls` calls in a row, the device
     synchronised between runs (not inside one: with fewer launches than a CUDA stream queues, the host never
