@@ -52,16 +52,21 @@ struct TensorPointers<StateSlots, true> {
 
 // One launch's tensors: per tensor the pointers its kernels read, with slots for the States states only (and
 // their 8-bit scales only with Bits 8), so that a launch takes as many tensors as fit in the argument bytes
-// (76 for SGD with momentum or RMSprop, 66 for Adam(W) and 8-bit SGD or Lion, 52 for 8-bit Adam(W)): a step of many
-// small tensors is bound by the host, and every launch costs it a few microseconds. (So a tensor's chunk index
-// across the step is worked out from one header field, first_chunk, rather than kept per tensor.)
+// (76 for SGD with momentum or RMSprop, 66 for Adam(W), 58 for AdEMAMix): a step of many small tensors is bound by
+// the host, and every launch costs it a few microseconds. An 8-bit table holds as many tensors as its 32-bit
+// twin, its scales taking up to kScaleBytes (about 1.4 KB) past the argument bytes, so that fewer state bytes
+// never cost more launches. (Larger tables for every width made GPU-bound steps of 200 tensors slower: the
+// table's walk, tensor_of_block, grows with it.) So that the table stays small, a tensor's chunk index across
+// the step is worked out from one header field, first_chunk, rather than kept per tensor.
 template <int States, int Bits>
 struct TensorTable {
   static constexpr int kStateSlots = States > 0 ? States : 1;
   static constexpr int kScaleSlots = Bits == 8 ? kStateSlots : 0;
-  static constexpr int kHeaderBytes = 24, kBytesPerTensor = 8 * (5 + kStateSlots + kScaleSlots) + 4;
+  static constexpr int kHeaderBytes = 24, kBytesPerTensorUnscaled = 8 * (5 + kStateSlots) + 4;
   // Besides the tensors: the header, first_block's last entry and up to 4 bytes of padding after factor_index.
-  static constexpr int kCapacity = (LaunchTablePolicy::kArgumentBytes - kHeaderBytes - 8 - 4) / kBytesPerTensor;
+  static constexpr int kCapacity =
+      (LaunchTablePolicy::kArgumentBytes - kHeaderBytes - 8 - 4) / kBytesPerTensorUnscaled;
+  static constexpr int kScaleBytes = kCapacity * kScaleSlots * 8;  // taken past the argument bytes
   int count;
   // With a finish counter (OptimStepArgs::finish_counter) the steps are read as they were before this step
   // and 1 is added on reading (step_increment); the update's last block to finish writes step + 1 for all.
@@ -77,7 +82,8 @@ struct TensorTable {
 };
 static_assert(LaunchTablePolicy::kArgumentBytes != 4000 ||
                   (TensorTable<1, 32>::kCapacity == 76 && TensorTable<2, 32>::kCapacity == 66 &&
-                   TensorTable<1, 8>::kCapacity == 66 && TensorTable<2, 8>::kCapacity == 52),
+                   TensorTable<3, 32>::kCapacity == 58 && TensorTable<1, 8>::kCapacity == 76 &&
+                   TensorTable<2, 8>::kCapacity == 66 && TensorTable<3, 8>::kCapacity == 58),
               "the capacities the comment above names");
 
 template <class Table>
@@ -205,7 +211,8 @@ int64_t grid_for(Kernel kernel, int64_t blocks, int threads = ChunkPolicy::kThre
 template <int States, int Bits, class Launch>
 void for_each_table(const OptimStepArgs& a, const OptimTensor* tensors, int count, Launch launch) {
   using Table = TensorTable<States, Bits>;
-  static_assert(sizeof(Table) <= LaunchTablePolicy::kArgumentBytes, "the tensor table fits its bytes");
+  static_assert(sizeof(Table) <= LaunchTablePolicy::kArgumentBytes + Table::kScaleBytes,
+                "the tensor table fits its bytes");
   int64_t blocks = 0, chunk_base = 0;  // this launch's chunks so far; the step's before this launch and in it
   const auto new_table = [&] {
     Table table{};
