@@ -8,6 +8,7 @@ CUDA backend).
 * A NaN or +inf gradient element with 8-bit states (general and whole-chunk loops): never more non-finite
   parameters than with fp32 states, and the other elements' parameters, codes and every block's absmax bitwise
   those of a run in which its gradient was 0 (docs/optim.md, "Non-finite values").
+* Over 200 tensors an 8-bit step launches no more kernels than the fp32 step (torch.profiler's count).
 """
 
 from __future__ import annotations
@@ -200,3 +201,36 @@ def test_non_finite_gradient_with_8bit_states_on_cuda_damages_only_its_element(c
             assert_bitwise_equal(value, states0[name], f"{case}: {name}")
         elif value.dtype == torch.uint8:
             assert_bitwise_equal(value[others], states0[name][others], f"{case}: {name}'s other codes")
+
+
+# --------------------------------------------------------------------------------------------------------
+# 8-bit states: no more launches than fp32 states
+# --------------------------------------------------------------------------------------------------------
+
+
+def _kernels_per_step(optimizer) -> int:
+    """The CUDA kernels one step launches, counted under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        optimizer.step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.parametrize("case", OPTIM_CASE_NAMES)
+def test_8bit_step_over_many_tensors_launches_no_more_kernels_than_fp32(case):
+    """Fewer state bytes never cost more launches (issue 22): over 200 tensors, several launch tables, the 8-bit
+    step launches at most as many kernels as the fp32 step on the same parameters (an 8-bit table holds as many
+    tensors as its fp32 twin: launch_table.cuh, TensorTable). An eager step over many small tensors is bound by
+    the host, and each launch costs it a few microseconds."""
+    skip_unless_storable(case, 8)
+    counts = {}
+    for bits in (32, 8):
+        params = make_params([(4096,)] * 200, torch.float32, make_generator(stable_seed("launches", case)), device=CUDA)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer = make_optimizer(case, params, state_bits=bits, min_8bit_size=0)
+        optimizer.step()  # the states exist from here on
+        counts[bits] = _kernels_per_step(optimizer)
+    assert counts[8] <= counts[32], f"{case}: kernels per step {counts}"

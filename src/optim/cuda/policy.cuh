@@ -14,9 +14,10 @@ namespace {
 using namespace optim_detail;
 
 // The bytes of a launch's kernel arguments that its tensor table may take (launch_table.cuh, TensorTable: the
-// driver copies the table, with the other arguments, into every launch). With OptimOptions and the scalars the
-// arguments come to just over the classic 4 KB limit: that needs CUDA 12.1 or later and a Volta or newer GPU
-// (this project builds for Hopper with CUDA 13). The emulated kernels (tests/cpp/emulation) are built with a
+// driver copies the table, with the other arguments, into every launch); an 8-bit table's scales come on top
+// (TensorTable::kScaleBytes, up to about 1.4 KB). With OptimOptions and the scalars the arguments come to over
+// the classic 4 KB limit (and well under the 32 KB of CUDA 12.1): that needs CUDA 12.1 or later and a Volta or
+// newer GPU (this project builds for Hopper with CUDA 13). The emulated kernels (tests/cpp/emulation) are built with a
 // smaller table, so that their problems of a few dozen tensors go out in several launches, as a real step's
 // hundreds of tensors do.
 #ifndef GRAPHSAFE_OPTIM_ARGUMENT_BYTES
