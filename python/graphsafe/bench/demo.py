@@ -147,7 +147,7 @@ def _intro(device: torch.device, padding_row: int) -> str:
         f"graphsafe demo on {device.type} ({device_name(device)})\n"
         f"Embedding backward of a {VOCAB} x {DIM} table for {TOKENS} tokens, zipf-skewed (p ∝ 1/k^{ZIPF_EXPONENT}); "
         f"padding row = the most frequent row ({padding_row}).\n"
-        "Methods: graphsafe = torch.ops.graphsafe.embedding_backward; aten = torch.ops.aten.embedding_dense_backward; "
+        "Methods: graphsafe = graphsafe.ops.embedding_backward; aten = torch.ops.aten.embedding_dense_backward; "
         "index_add = torch.zeros(V, D).index_add_(0, idx, grad).\n"
     )
 

@@ -72,7 +72,9 @@ FULL_CASES = (
 
 
 def graphsafe_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
-    return torch.ops.graphsafe.embedding_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+    """The public name (the op's overload, as the README calls it); torch.ops.graphsafe.embedding_backward, the
+    overload packet, first picks the overload, which costs host time an eager call at small N shows."""
+    return graphsafe.ops.embedding_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
 def aten_backward(grad, indices, num_weights, padding_idx=-1, scale_grad_by_freq=False):
