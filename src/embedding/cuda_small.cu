@@ -12,8 +12,11 @@
 //      piece per tile; each tile then counts its pieces in at the row's first tile, and the item whose arrival
 //      completes the row adds the row's pieces in the fixed nesting of embedding.h (tiles within a group, then
 //      groups) and stores it. Which item finishes depends on scheduling; the order of the additions does not.
-//    - zero blocks: each owns a range of output rows, scans all indices for the rows of its range that occur, and
-//      zero-fills the others. They write no byte a reduce block writes and read nothing step 1 writes.
+//    - zero blocks: the table's rows are cut into chunks of about kZeroChunkBytes, chunk c belonging to zero block
+//      c % zero_blocks; each block scans all indices for the rows of its chunks that occur, and zero-fills the
+//      others. They write no byte a reduce block writes and read nothing step 1 writes. Dealt out in turn, the
+//      chunks the blocks resident at one time write lie side by side, one window sweeping the table from start to
+//      end as in a plain fill, rather than one stream per block spread over the whole table.
 //    Zero-filling the table is most of the work (a memset's worth of stores); the sums of a few thousand rows
 //    run beside it instead of after it. Where the GPU allows it (sm_90+), step 2 is launched as a programmatic
 //    dependent launch: its zero blocks start while step 1 still sorts, and only its reduce blocks wait for step 1
@@ -34,8 +37,11 @@ namespace {
 constexpr int kSmallThreads = 256;
 constexpr int kSortItemsMax = 16;
 constexpr int64_t kSmallMaxIndices = int64_t(kSmallThreads) * kSortItemsMax;
-// Zero-filling blocks: at least kZeroBytesPerBlock of output each, and at least 64 output bytes per index (each
-// block reads all the indices), at most kZeroRowsMax rows each (its "row occurs" bitmap is in shared memory).
+// Zero-filling blocks: chunks of whole rows, as many as fit kZeroChunkBytes (one 16-byte store per thread) rounded
+// down to a power of two (a shift finds a row's chunk), or one row where rows are longer; at least
+// kZeroBytesPerBlock of output a block, and at least 64 output bytes per index (each block reads all the indices),
+// at most kZeroRowsMax rows a block (its "row occurs" bitmap is in shared memory).
+constexpr int64_t kZeroChunkBytes = int64_t(16) * kSmallThreads;
 constexpr int64_t kZeroBytesPerBlock = int64_t(64) << 10;
 constexpr int64_t kZeroBytesPerIndex = 64;
 constexpr int64_t kZeroRowsMax = 32768;
@@ -43,16 +49,25 @@ constexpr int64_t kZeroRowsMax = 32768;
 template <int kItems>
 using SmallSort = cub::BlockRadixSort<uint32_t, kSmallThreads, kItems>;
 
-// Output rows per zero-filling block, and how many such blocks: shapes only.
+// Rows per chunk, chunks, zero-filling blocks and the most rows one block owns: shapes only.
 struct ZeroGrid {
-  int64_t rows_per_block;
+  int chunk_shift;  // log2 of the rows per chunk
+  int64_t chunk_rows;
+  int64_t chunks;
   int64_t blocks;
+  int64_t rows_per_block;  // bits of a block's bitmap: its chunks (at most ceil(chunks / blocks)) times chunk_rows
 };
 
 ZeroGrid zero_grid(int64_t num_indices, int64_t num_weights, int64_t row_bytes) {
+  int chunk_shift = 0;
+  while ((int64_t{2} << chunk_shift) * row_bytes <= kZeroChunkBytes) ++chunk_shift;
+  const int64_t chunk_rows = int64_t{1} << chunk_shift;
+  const int64_t chunks = (num_weights + chunk_rows - 1) / chunk_rows;
   const int64_t per_block = std::max(kZeroBytesPerBlock, num_indices * kZeroBytesPerIndex);
-  const int64_t rows = std::clamp<int64_t>(per_block / std::max<int64_t>(row_bytes, 1), 1, kZeroRowsMax);
-  return {rows, (num_weights + rows - 1) / rows};
+  const int64_t chunks_per_block = std::clamp<int64_t>(per_block / (chunk_rows * std::max<int64_t>(row_bytes, 1)), 1,
+                                                       std::max<int64_t>(kZeroRowsMax / chunk_rows, 1));
+  const int64_t blocks = (chunks + chunks_per_block - 1) / chunks_per_block;
+  return {chunk_shift, chunk_rows, chunks, blocks, (chunks + blocks - 1) / blocks * chunk_rows};
 }
 
 // Bits of the composite sort key (row << position_bits | position), at most 32 on this path: 2^position_bits > n,
@@ -61,16 +76,16 @@ ZeroGrid zero_grid(int64_t num_indices, int64_t num_weights, int64_t row_bytes) 
 int position_bits(int64_t n) { return sort_end_bit(n); }
 int composite_key_bits(int64_t n, int64_t num_weights) { return position_bits(n) + sort_end_bit(num_weights); }
 
-// Zero-fills the rows of [first_row, first_row + rows) whose bit in `occurs` is clear, with stores of U.
-// +0 is all zero bits in every floating-point type, so the bytes need no element type.
+// Zero-fills the rows of [first_row, first_row + rows) whose bit in `occurs` (from bit first_bit on) is clear, with
+// stores of U. +0 is all zero bits in every floating-point type, so the bytes need no element type.
 template <class U>
 __device__ void zero_rows_without_bit(char* __restrict__ out, int64_t first_row, uint32_t rows, uint32_t units_per_row,
-                                      const uint32_t* __restrict__ occurs) {
+                                      const uint32_t* __restrict__ occurs, uint32_t first_bit) {
   U* const dst = reinterpret_cast<U*>(out) + first_row * units_per_row;
   const uint32_t units = rows * units_per_row;
   for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
-    const uint32_t row = u / units_per_row;
-    if (!((occurs[row >> 5] >> (row & 31)) & 1u)) dst[u] = U{};
+    const uint32_t bit = first_bit + u / units_per_row;
+    if (!((occurs[bit >> 5] >> (bit & 31)) & 1u)) dst[u] = U{};
   }
 }
 
@@ -105,38 +120,53 @@ __global__ void __launch_bounds__(kSmallThreads)
   for (int64_t t = threadIdx.x; t < tiles; t += blockDim.x) counters[t] = 0;
 }
 
-// What a zero block needs: the raw indices (int64 or int32), its share of rows, and the store width.
+// What a zero block needs: the raw indices (int64 or int32), the chunks and how they are dealt, the store width.
 struct ZeroFill {
   const void* indices;
   bool indices_are_int64;
   int n;
   int64_t num_weights, padding_idx;
   char* out;
-  int64_t rows_per_block;
+  int chunk_shift;
+  int64_t chunk_rows, chunks;
+  uint32_t blocks;
   uint32_t units_per_row;
   int unit_bytes;
 };
 
-// Zero block `block`: the rows of its range that no index names are zero-filled (the others get their sums from
-// the reduce blocks). `occurs` is its bitmap in shared memory.
-__device__ void zero_fill_block(const ZeroFill& z, int64_t block, uint32_t* __restrict__ occurs) {
-  const int64_t first_row = block * z.rows_per_block;
-  const auto rows = static_cast<uint32_t>(min(z.rows_per_block, z.num_weights - first_row));
-  for (uint32_t w = threadIdx.x; w < (rows + 31) / 32; w += blockDim.x) occurs[w] = 0;
+// Zero block `block`: chunks block, block + blocks, block + 2 * blocks, ...; the rows of them that no index names
+// are zero-filled (the others get their sums from the reduce blocks). `occurs` is its bitmap in shared memory, bit
+// k * chunk_rows + r for row r of its k-th chunk.
+template <class U>
+__device__ void zero_fill_chunks(const ZeroFill& z, int64_t block, uint32_t* __restrict__ occurs) {
+  const int64_t my_chunks = (z.chunks - block + z.blocks - 1) / z.blocks;  // >= 1: block < blocks <= chunks
+  const auto bits = static_cast<uint32_t>(my_chunks * z.chunk_rows);
+  for (uint32_t w = threadIdx.x; w < (bits + 31) / 32; w += blockDim.x) occurs[w] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < z.n; i += blockDim.x) {
     const int64_t index = z.indices_are_int64 ? static_cast<const int64_t*>(z.indices)[i]
                                               : static_cast<int64_t>(static_cast<const int32_t*>(z.indices)[i]);
     const uint32_t key = sort_key(index, z.num_weights, z.padding_idx);
-    const int64_t local = int64_t(key) - first_row;  // the sentinel num_weights is outside every range
-    if (local >= 0 && local < rows) atomicOr(&occurs[local >> 5], 1u << (local & 31));
+    if (key >= z.num_weights) continue;  // padding or out of range: the sentinel row, in no chunk
+    const uint32_t chunk = key >> z.chunk_shift, turn = chunk / z.blocks;  // 32-bit: keys are below 2^32
+    if (chunk - turn * z.blocks != static_cast<uint32_t>(block)) continue;
+    const uint32_t bit = (turn << z.chunk_shift) + (key & (uint32_t(z.chunk_rows) - 1));
+    atomicOr(&occurs[bit >> 5], 1u << (bit & 31));
   }
   __syncthreads();
+  for (int64_t k = 0; k < my_chunks; ++k) {
+    const int64_t first_row = (block + k * z.blocks) * z.chunk_rows;
+    const auto rows = static_cast<uint32_t>(min(z.chunk_rows, z.num_weights - first_row));
+    zero_rows_without_bit<U>(z.out, first_row, rows, z.units_per_row, occurs, static_cast<uint32_t>(k * z.chunk_rows));
+  }
+}
+
+__device__ void zero_fill_block(const ZeroFill& z, int64_t block, uint32_t* __restrict__ occurs) {
   switch (z.unit_bytes) {
-    case 16: zero_rows_without_bit<uint4>(z.out, first_row, rows, z.units_per_row, occurs); break;
-    case 8: zero_rows_without_bit<uint2>(z.out, first_row, rows, z.units_per_row, occurs); break;
-    case 4: zero_rows_without_bit<uint32_t>(z.out, first_row, rows, z.units_per_row, occurs); break;
-    default: zero_rows_without_bit<uint16_t>(z.out, first_row, rows, z.units_per_row, occurs); break;
+    case 16: zero_fill_chunks<uint4>(z, block, occurs); break;
+    case 8: zero_fill_chunks<uint2>(z, block, occurs); break;
+    case 4: zero_fill_chunks<uint32_t>(z, block, occurs); break;
+    default: zero_fill_chunks<uint16_t>(z, block, occurs); break;
   }
 }
 
@@ -319,9 +349,9 @@ bool embedding_backward_cuda_small_path(int64_t num_indices, int64_t dim, int64_
   if (composite_key_bits(num_indices, num_weights) > 32) return false;
   const int64_t row_bytes = dim * static_cast<int64_t>(elem_bytes);
   const ZeroGrid grid = zero_grid(num_indices, num_weights, row_bytes);
-  // A zero-filling block counts its 2-byte units in 32 bits; the grid (zero blocks after at most one reduce block per
-  // tile) fits in one dimension.
-  return grid.rows_per_block * (row_bytes / 2) < (int64_t{1} << 31) &&
+  // A zero-filling block counts a chunk's 2-byte units in 32 bits; the grid (zero blocks after at most one reduce block
+  // per tile) fits in one dimension.
+  return grid.chunk_rows * (row_bytes / 2) < (int64_t{1} << 31) &&
          grid.blocks + tile_count(num_indices) < (int64_t{1} << 31) - 1;
 }
 
@@ -349,9 +379,10 @@ void embedding_backward_dense_cuda_small(const EmbeddingBackwardArgs& a, int64_t
 
   const ZeroGrid grid = zero_grid(a.num_indices, a.num_weights, row_bytes);
   const int unit = zero_unit_bytes(out, row_bytes);
-  const ZeroFill zero{a.indices,          a.index_dtype == DType::Int64, n,    a.num_weights,
-                      padding_idx,        static_cast<char*>(out),       grid.rows_per_block,
-                      static_cast<uint32_t>(row_bytes / unit),           unit};
+  const ZeroFill zero{a.indices,     a.index_dtype == DType::Int64,   n,           a.num_weights, padding_idx,
+                      static_cast<char*>(out), grid.chunk_shift, grid.chunk_rows, grid.chunks,
+                      static_cast<uint32_t>(grid.blocks),
+                      static_cast<uint32_t>(row_bytes / unit),  unit};
   const auto occurs_bytes = static_cast<std::size_t>((grid.rows_per_block + 31) / 32 * 4);
   switch (a.grad_dtype) {
     case DType::Float32: zero_and_reduce_typed<float>(a, w, out, zero, grid.blocks, occurs_bytes, stream); break;
