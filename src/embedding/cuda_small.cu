@@ -52,7 +52,6 @@ using SmallSort = cub::BlockRadixSort<uint32_t, kSmallThreads, kItems>;
 // Rows per chunk, chunks, zero-filling blocks and the most rows one block owns: shapes only.
 struct ZeroGrid {
   int chunk_shift;  // log2 of the rows per chunk
-  int64_t chunk_rows;
   int64_t chunks;
   int64_t blocks;
   int64_t rows_per_block;  // bits of a block's bitmap: its chunks (at most ceil(chunks / blocks)) times chunk_rows
@@ -67,7 +66,7 @@ ZeroGrid zero_grid(int64_t num_indices, int64_t num_weights, int64_t row_bytes) 
   const int64_t chunks_per_block = std::clamp<int64_t>(per_block / (chunk_rows * std::max<int64_t>(row_bytes, 1)), 1,
                                                        std::max<int64_t>(kZeroRowsMax / chunk_rows, 1));
   const int64_t blocks = (chunks + chunks_per_block - 1) / chunks_per_block;
-  return {chunk_shift, chunk_rows, chunks, blocks, (chunks + blocks - 1) / blocks * chunk_rows};
+  return {chunk_shift, chunks, blocks, (chunks + blocks - 1) / blocks * chunk_rows};
 }
 
 // Bits of the composite sort key (row << position_bits | position), at most 32 on this path: 2^position_bits > n,
@@ -127,8 +126,8 @@ struct ZeroFill {
   int n;
   int64_t num_weights, padding_idx;
   char* out;
-  int chunk_shift;
-  int64_t chunk_rows, chunks;
+  int chunk_shift;  // log2 of the rows per chunk
+  int64_t chunks;
   uint32_t blocks;
   uint32_t units_per_row;
   int unit_bytes;
@@ -139,8 +138,9 @@ struct ZeroFill {
 // k * chunk_rows + r for row r of its k-th chunk.
 template <class U>
 __device__ void zero_fill_chunks(const ZeroFill& z, int64_t block, uint32_t* __restrict__ occurs) {
+  const int64_t chunk_rows = int64_t{1} << z.chunk_shift;
   const int64_t my_chunks = (z.chunks - block + z.blocks - 1) / z.blocks;  // >= 1: block < blocks <= chunks
-  const auto bits = static_cast<uint32_t>(my_chunks * z.chunk_rows);
+  const auto bits = static_cast<uint32_t>(my_chunks * chunk_rows);
   for (uint32_t w = threadIdx.x; w < (bits + 31) / 32; w += blockDim.x) occurs[w] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < z.n; i += blockDim.x) {
@@ -150,14 +150,14 @@ __device__ void zero_fill_chunks(const ZeroFill& z, int64_t block, uint32_t* __r
     if (key >= z.num_weights) continue;  // padding or out of range: the sentinel row, in no chunk
     const uint32_t chunk = key >> z.chunk_shift, turn = chunk / z.blocks;  // 32-bit: keys are below 2^32
     if (chunk - turn * z.blocks != static_cast<uint32_t>(block)) continue;
-    const uint32_t bit = (turn << z.chunk_shift) + (key & (uint32_t(z.chunk_rows) - 1));
+    const uint32_t bit = (turn << z.chunk_shift) + (key & (uint32_t(chunk_rows) - 1));
     atomicOr(&occurs[bit >> 5], 1u << (bit & 31));
   }
   __syncthreads();
   for (int64_t k = 0; k < my_chunks; ++k) {
-    const int64_t first_row = (block + k * z.blocks) * z.chunk_rows;
-    const auto rows = static_cast<uint32_t>(min(z.chunk_rows, z.num_weights - first_row));
-    zero_rows_without_bit<U>(z.out, first_row, rows, z.units_per_row, occurs, static_cast<uint32_t>(k * z.chunk_rows));
+    const int64_t first_row = (block + k * z.blocks) * chunk_rows;
+    const auto rows = static_cast<uint32_t>(min(chunk_rows, z.num_weights - first_row));
+    zero_rows_without_bit<U>(z.out, first_row, rows, z.units_per_row, occurs, static_cast<uint32_t>(k * chunk_rows));
   }
 }
 
@@ -351,7 +351,7 @@ bool embedding_backward_cuda_small_path(int64_t num_indices, int64_t dim, int64_
   const ZeroGrid grid = zero_grid(num_indices, num_weights, row_bytes);
   // A zero-filling block counts a chunk's 2-byte units in 32 bits; the grid (zero blocks after at most one reduce block
   // per tile) fits in one dimension.
-  return grid.chunk_rows * (row_bytes / 2) < (int64_t{1} << 31) &&
+  return (int64_t{1} << grid.chunk_shift) * (row_bytes / 2) < (int64_t{1} << 31) &&
          grid.blocks + tile_count(num_indices) < (int64_t{1} << 31) - 1;
 }
 
@@ -379,10 +379,9 @@ void embedding_backward_dense_cuda_small(const EmbeddingBackwardArgs& a, int64_t
 
   const ZeroGrid grid = zero_grid(a.num_indices, a.num_weights, row_bytes);
   const int unit = zero_unit_bytes(out, row_bytes);
-  const ZeroFill zero{a.indices,     a.index_dtype == DType::Int64,   n,           a.num_weights, padding_idx,
-                      static_cast<char*>(out), grid.chunk_shift, grid.chunk_rows, grid.chunks,
-                      static_cast<uint32_t>(grid.blocks),
-                      static_cast<uint32_t>(row_bytes / unit),  unit};
+  const ZeroFill zero{a.indices, a.index_dtype == DType::Int64, n, a.num_weights, padding_idx, static_cast<char*>(out),
+                      grid.chunk_shift, grid.chunks, static_cast<uint32_t>(grid.blocks),
+                      static_cast<uint32_t>(row_bytes / unit), unit};
   const auto occurs_bytes = static_cast<std::size_t>((grid.rows_per_block + 31) / 32 * 4);
   switch (a.grad_dtype) {
     case DType::Float32: zero_and_reduce_typed<float>(a, w, out, zero, grid.blocks, occurs_bytes, stream); break;
