@@ -84,12 +84,16 @@ def _time_cuda(fn: Callable[..., object], input_sets: Sequence[tuple], config: T
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(config.repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(config.repeats)]
-    # Launch every repeat before synchronising: the host runs ahead, so the events time the device work.
+    # Launch every repeat before synchronising: the host runs ahead, so the events time the device work. The
+    # events are recorded on the stream fetched once: Event.record() without one builds the current Stream object
+    # at each call, host time of the harness's own that can exceed a small call's device time, and then the events
+    # time the harness (docs/benchmarks.md, "How the harness's events are recorded").
+    stream = torch.cuda.current_stream()
     for i in range(config.repeats):
         args = input_sets[i % len(input_sets)]
-        starts[i].record()
+        starts[i].record(stream)
         fn(*args)
-        ends[i].record()
+        ends[i].record(stream)
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 
