@@ -213,12 +213,27 @@ __device__ void sum_item_rows(const T* __restrict__ grad, const uint32_t* __rest
     for (int k = 0; k < VEC; ++k) acc[k] = earlier_tiles[k] = Acc(0);
     bool crossed_tile = false;  // the run (begun inside the item) has earlier tiles' sums in earlier_tiles
     int64_t run_start = begin;
+    // One-tile items are bound by latency (few of them, each a chain of loads): the next batch's positions are
+    // loaded while this batch's gradient rows are in flight, so a batch waits for one round trip, not two.
+    uint32_t next_positions[kLoadsAhead];
+    if constexpr (!kMultiTile) {
+#pragma unroll
+      for (int b = 0; b < kLoadsAhead; ++b)
+        if (begin + b < end) next_positions[b] = positions[begin + b];
+    }
     for (int64_t batch_start = begin; batch_start < end; batch_start += kLoadsAhead) {
       Pack<T, VEC> batch[kLoadsAhead];
 #pragma unroll
       for (int b = 0; b < kLoadsAhead; ++b)
-        if (batch_start + b < end)
-          batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(positions[batch_start + b]) * dim + v * VEC);
+        if (batch_start + b < end) {
+          const uint32_t position = kMultiTile ? positions[batch_start + b] : next_positions[b];
+          batch[b] = *reinterpret_cast<const Pack<T, VEC>*>(grad + int64_t(position) * dim + v * VEC);
+        }
+      if constexpr (!kMultiTile) {
+#pragma unroll
+        for (int b = 0; b < kLoadsAhead; ++b)
+          if (batch_start + kLoadsAhead + b < end) next_positions[b] = positions[batch_start + kLoadsAhead + b];
+      }
 #pragma unroll
       for (int b = 0; b < kLoadsAhead; ++b) {
         const int64_t j = batch_start + b;

@@ -76,7 +76,10 @@ int position_bits(int64_t n) { return sort_end_bit(n); }
 int composite_key_bits(int64_t n, int64_t num_weights) { return position_bits(n) + sort_end_bit(num_weights); }
 
 // Zero-fills the rows of [first_row, first_row + rows) whose bit in `occurs` (from bit first_bit on) is clear, with
-// stores of U. +0 is all zero bits in every floating-point type, so the bytes need no element type.
+// stores of U. +0 is all zero bits in every floating-point type, so the bytes need no element type. The stores are
+// marked evict-first (__stcs): the fill streams the whole table through L2 and would otherwise evict what the reduce
+// blocks read beside it (the gradient rows, the sorted keys and positions), whose chain of loads is the launch's
+// other critical path.
 template <class U>
 __device__ void zero_rows_without_bit(char* __restrict__ out, int64_t first_row, uint32_t rows, uint32_t units_per_row,
                                       const uint32_t* __restrict__ occurs, uint32_t first_bit) {
@@ -84,7 +87,7 @@ __device__ void zero_rows_without_bit(char* __restrict__ out, int64_t first_row,
   const uint32_t units = rows * units_per_row;
   for (uint32_t u = threadIdx.x; u < units; u += blockDim.x) {
     const uint32_t bit = first_bit + u / units_per_row;
-    if (!((occurs[bit >> 5] >> (bit & 31)) & 1u)) dst[u] = U{};
+    if (!((occurs[bit >> 5] >> (bit & 31)) & 1u)) __stcs(dst + u, U{});
   }
 }
 
@@ -245,20 +248,25 @@ __device__ void reduce_small_block(const T* __restrict__ grad, const uint32_t* _
   const int64_t tile = block * (kThreads / group) + item;
   const int64_t begin = tile * kTile;
   const bool active = begin < n;
-  if (active)
+  const int64_t tile_end = min(begin + kTile, n);
+  uint32_t first = sentinel, last = sentinel;
+  bool first_began_earlier = false, last_goes_on = false;
+  if (active) {
     sum_item_rows<T, VEC, DenseSlot, /*kMultiTile=*/false>(grad, keys, positions, n, dim, sentinel, scale_grad_by_freq,
                                                            out, tile_partials, /*row_occurs=*/nullptr,
                                                            /*first_tile=*/tile, /*tiles=*/1, lane, group, DenseSlot{});
-  __threadfence();  // this thread's pieces are visible to every block before its tile is counted in
+    first = keys[begin];
+    last = keys[tile_end - 1];
+    // The same conditions under which sum_item_rows leaves pieces in slots piece_slot(tile, true / false).
+    first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
+    last_goes_on = last != sentinel && key_at(keys, n, tile_end, last) && !(first == last && first_began_earlier);
+    // This thread's pieces are visible to every block before its tile is counted in. A tile without pieces has
+    // written nothing another block reads, and skips the fence (a wait for its row stores on the critical path).
+    if (first_began_earlier || last_goes_on) __threadfence();
+  }
   __syncthreads();
   if (active && lane == 0) {
     Finish f{{sentinel, sentinel}, {0, 0}, {0, 0}, {false, false}};
-    const int64_t tile_end = min(begin + kTile, n);
-    const uint32_t first = keys[begin], last = keys[tile_end - 1];
-    // The same conditions under which sum_item_rows leaves pieces in slots piece_slot(tile, true / false).
-    const bool first_began_earlier = first != sentinel && key_at(keys, n, begin - 1, first);
-    const bool last_goes_on =
-        last != sentinel && key_at(keys, n, tile_end, last) && !(first == last && first_began_earlier);
     if (first_began_earlier) {
       f.row[0] = first;
       f.start[0] = lower_bound(keys, 0, begin, first);
